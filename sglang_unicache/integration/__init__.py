@@ -1,0 +1,1 @@
+"""Engine integration: the only layer that imports SGLang."""

@@ -1,0 +1,29 @@
+"""Plugin entry point (``sglang.srt.plugins``): registers every hook, in every SGLang process.
+
+SGLang calls ``register`` in the launcher and again in each spawned process (scheduler,
+detokenizer), so all state is created here, never inherited (DESIGN.md §3).
+"""
+
+from __future__ import annotations
+
+from sglang_unicache.integration.compat import check_compatible
+
+
+def register() -> None:
+    check_compatible()
+
+    from sglang.srt.entrypoints.engine import Engine
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sglang_unicache.integration import hooks
+
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args",
+                          hooks.after_add_cli_args, HookType.AFTER)
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.from_cli_args",
+                          hooks.around_from_cli_args, HookType.AROUND)
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.__init__",
+                          hooks.after_scheduler_init, HookType.AFTER)
+    # Not through HookRegistry: it would rebind every module's reference to the ServerArgs
+    # class. Engine.__init__ reads this attribute after loading plugins, so the first Engine
+    # of a process already takes the unicache keyword arguments.
+    Engine.server_args_class = staticmethod(hooks.make_engine_server_args)

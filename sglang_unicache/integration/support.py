@@ -1,0 +1,78 @@
+"""Setups ``--unicache`` refuses at startup, each with one line that says why (DESIGN.md §5).
+
+Compaction rewrites a request's row of ``req_to_token`` slot by slot and keeps one dtype per pool,
+so it needs page size 1, an ordinary MHA pool and no second copy of the KV elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# Architecture -> how positions after a compacted span are kept (issue 4 implements both).
+SUPPORTED_ARCHITECTURES = {
+    "Qwen2VLForConditionalGeneration": "mrope",
+    "Qwen2_5_VLForConditionalGeneration": "mrope",
+    "LlavaForConditionalGeneration": "rope1d",
+    "LlavaQwenForCausalLM": "rope1d",
+    "LlavaMistralForCausalLM": "rope1d",
+    "LlavaLlamaForCausalLM": "rope1d",
+}
+SCALED_KV_DTYPES = ("mxfp8", "nvfp4", "fp4_mx_block16")
+_HYBRID_LAYER_TYPES = ("sliding_attention", "linear_attention", "mamba", "chunked_attention")
+
+
+def unsupported_server_args(args: Any) -> str | None:
+    """Why the serving flags rule ``--unicache`` out, or None."""
+    page_size = getattr(args, "page_size", None)
+    if page_size not in (None, 1):
+        return f"--page-size {page_size}: --unicache needs page size 1"
+    algorithm = getattr(args, "speculative_algorithm", None)
+    if algorithm:
+        return f"--speculative-algorithm {algorithm}: speculative decoding is not supported " \
+               "with --unicache"
+    if getattr(args, "enable_hierarchical_cache", False):
+        return "--enable-hierarchical-cache: HiCache is not supported with --unicache"
+    mode = getattr(args, "disaggregation_mode", "null")
+    if mode not in (None, "null"):
+        return f"--disaggregation-mode {mode}: PD disaggregation is not supported with --unicache"
+    dtype = getattr(args, "kv_cache_dtype", "auto")
+    if dtype in SCALED_KV_DTYPES:
+        return f"--kv-cache-dtype {dtype}: KV dtypes with separate scale buffers are not " \
+               f"supported with --unicache (use auto, bf16, fp8_e4m3 or fp8_e5m2)"
+    return None
+
+
+def unsupported_model(hf_config: dict[str, Any]) -> str | None:
+    """Why the checkpoint's config rules ``--unicache`` out, or None."""
+    text = hf_config.get("text_config") or hf_config
+    if any(key in text or key in hf_config for key in ("kv_lora_rank", "index_topk")):
+        return "MLA/DSA models are not supported with --unicache (they use a latent KV pool)"
+    layer_types = text.get("layer_types") or []
+    hybrid = [t for t in layer_types if t in _HYBRID_LAYER_TYPES]
+    if hybrid or text.get("use_sliding_window") or hf_config.get("is_hybrid_swa"):
+        kind = hybrid[0] if hybrid else "sliding_attention"
+        return f"hybrid models ({kind} layers: SWA/SSM pools) are not supported with --unicache"
+    archs = hf_config.get("architectures") or []
+    if not any(arch in SUPPORTED_ARCHITECTURES for arch in archs):
+        known = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        return f"model architecture {'/'.join(archs) or 'unknown'} is not supported with " \
+               f"--unicache; supported: {known}"
+    return None
+
+
+def local_hf_config(model_path: str | None) -> dict[str, Any] | None:
+    """The checkpoint's config.json when the model is a local directory (no hub access)."""
+    if not model_path:
+        return None
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def unsupported_setup(args: Any, hf_config: dict[str, Any] | None) -> str | None:
+    return unsupported_server_args(args) or (
+        unsupported_model(hf_config) if hf_config is not None else None
+    )

@@ -1,0 +1,44 @@
+"""The ``SRTPlatform`` subclass behind ``unicache_cpu`` (imported only once SGLang selects it)."""
+
+from __future__ import annotations
+
+import logging
+
+from sglang.srt.platforms.cpu import CpuDeviceMixin
+from sglang.srt.platforms.device_mixin import PlatformEnum
+from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
+
+from sglang_unicache.platform.cpu import default_max_total_tokens
+
+logger = logging.getLogger(__name__)
+
+
+class UniCacheCpuPlatform(CpuDeviceMixin, SRTPlatform):
+    """Pure-torch CPU platform: torch_native attention, MHA pool, no graphs, no Triton."""
+
+    _enum = PlatformEnum.OOT
+    device_name = "cpu"
+    device_type = "cpu"
+    capabilities = PlatformCapabilities()
+
+    def get_device(self, device_id: int = 0) -> str:  # type: ignore[override]
+        # The core builds tensors with device=<this>; "cpu" (a string) is what it expects.
+        return "cpu"
+
+    def is_pin_memory_available(self, device=None) -> bool:
+        return False
+
+    def get_default_attention_backend(self) -> str:
+        return "torch_native"
+
+    def apply_server_args_defaults(self, server_args) -> None:
+        if server_args.max_total_tokens is None:
+            server_args.max_total_tokens = default_max_total_tokens()
+            logger.info(
+                "unicache_cpu: capping the KV pool at %d tokens (--max-total-tokens overrides)",
+                server_args.max_total_tokens,
+            )
+        if server_args.attention_backend is None:
+            server_args.attention_backend = "torch_native"
+        if server_args.sampling_backend is None:
+            server_args.sampling_backend = "pytorch"

@@ -1,0 +1,1 @@
+"""Test and demo assets made on the spot: no download needed."""

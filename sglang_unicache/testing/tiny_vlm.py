@@ -1,0 +1,197 @@
+"""A deterministic tiny random Qwen2-VL checkpoint, built offline in seconds.
+
+Nothing can be downloaded from a model hub here, so tests and demos build their own checkpoint:
+a byte-level BPE tokenizer trained on a small built-in corpus, Qwen2-VL's special tokens, a chat
+template, an image processor config and random weights from a fixed seed. SGLang serves it with
+its real ``Qwen2VLForConditionalGeneration`` code.
+
+    python -m sglang_unicache.testing.tiny_vlm OUT_DIR [--image-size 224]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+# Words the synthetic visual-QA task and the demos use, so they tokenize into few pieces.
+_CORPUS_WORDS = (
+    "what is the colour color of shape object at row column in image picture how many are there "
+    "red green blue yellow purple orange white black grey gray cyan pink brown square circle "
+    "triangle cross star diamond none zero one two three four five six seven eight nine ten "
+    "left right top bottom middle center which where describe answer question list all objects "
+    "yes no and or a an of to on is it this that user assistant system you are helpful screenshot "
+    "button window click next step page text count colours colors shapes first second third"
+)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] in ('image', 'image_url') %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(vocab_size: int = 640):
+    """A byte-level BPE tokenizer (deterministic: fixed corpus, fixed trainer settings)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    words = _CORPUS_WORDS.split()
+    corpus = [" ".join(words[i:] + words[:i]) for i in range(len(words))]
+    corpus += [w.capitalize() + "?" for w in words] + [f"{i}." for i in range(100)]
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_config(tokenizer, *, hidden: int = 64, layers: int = 2, vision_dim: int = 32):
+    from transformers import Qwen2VLConfig
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    heads, kv_heads = 4, 2
+    head_dim = hidden // heads
+    half = head_dim // 2
+    mrope_section = [half - 2 * (half // 3), half // 3, half // 3]
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "mrope_section": mrope_section},
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )
+    vision = dict(
+        depth=2,
+        embed_dim=vision_dim,
+        hidden_size=hidden,
+        num_heads=2,
+        mlp_ratio=2,
+        in_channels=3,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    return config
+
+
+def _patch_config_json(path: Path, *, text_keys: dict) -> None:
+    """Write the fields older readers (SGLang's model code) look for at the top level."""
+    data = json.loads(path.read_text())
+    data["vision_config"]["in_chans"] = data["vision_config"].get("in_channels", 3)
+    data.setdefault("architectures", ["Qwen2VLForConditionalGeneration"])
+    for key, value in text_keys.items():
+        data.setdefault(key, value)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True))
+
+
+def build_tiny_qwen2_vl(out_dir: str | Path, *, image_size: int = 224, seed: int = 0,
+                        hidden: int = 64, layers: int = 2) -> Path:
+    """Write a complete checkpoint (weights, config, tokenizer, processor) to ``out_dir``.
+
+    ``image_size`` fixes the processor's pixel budget: an ``image_size`` square image gives
+    ``(image_size / 28) ** 2`` visual tokens (224 -> 64, 448 -> 256).
+    """
+    import torch
+    from transformers import (
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    config = build_config(tokenizer, hidden=hidden, layers=layers)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config).to(torch.bfloat16)
+    model.generation_config.eos_token_id = config.text_config.eos_token_id
+    model.save_pretrained(out)
+    pixels = image_size * image_size
+    image_processor = Qwen2VLImageProcessor(min_pixels=28 * 28, max_pixels=pixels)
+    video_processor = Qwen2VLVideoProcessor(min_pixels=28 * 28, max_pixels=pixels)
+    processor = Qwen2VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out)
+    text = config.text_config
+    _patch_config_json(
+        out / "config.json",
+        text_keys={
+            "vocab_size": text.vocab_size,
+            "hidden_size": text.hidden_size,
+            "num_hidden_layers": text.num_hidden_layers,
+            "num_attention_heads": text.num_attention_heads,
+            "num_key_value_heads": text.num_key_value_heads,
+            "intermediate_size": text.intermediate_size,
+            "rms_norm_eps": text.rms_norm_eps,
+            "max_position_embeddings": text.max_position_embeddings,
+            "rope_scaling": {"type": "mrope", "mrope_section":
+                             text.rope_parameters["mrope_section"]},
+            "rope_theta": text.rope_parameters["rope_theta"],
+        },
+    )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--image-size", type=int, default=224)
+    args = parser.parse_args()
+    print(build_tiny_qwen2_vl(args.out_dir, image_size=args.image_size))
+
+
+if __name__ == "__main__":
+    main()

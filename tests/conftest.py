@@ -1,0 +1,62 @@
+"""Shared fixtures: the tiny checkpoint, one CPU server per configuration, one offline Engine.
+
+Servers are session-scoped (a start costs ~20-30 s here), bound to 127.0.0.1 on a free port, and
+stopped by PID. Their logs stay in ``runs/test-logs/`` (override with UNICACHE_TEST_LOGS).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("SGLANG_PLATFORM", "unicache_cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+LOG_DIR = Path(os.environ.get("UNICACHE_TEST_LOGS", Path(__file__).parent.parent / "runs" /
+                              "test-logs"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A deterministic random Qwen2-VL (64 visual tokens per 224 px image)."""
+    from sglang_unicache.testing.tiny_vlm import build_tiny_qwen2_vl
+
+    # "qwen2-vl" in the path lets SGLang's frontend pick the Qwen2-VL chat template.
+    return build_tiny_qwen2_vl(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl")
+
+
+@pytest.fixture(scope="session")
+def server_factory(tiny_model):
+    """Start a server for a list of flags, once per distinct list, for the whole session."""
+    from sglang_unicache.testing.server import start_server
+
+    servers = {}
+
+    def get(*args: str):
+        key = tuple(args)
+        if key not in servers:
+            name = "server-" + ("_".join(a.lstrip("-") for a in args) or "stock")[:80]
+            servers[key] = start_server(tiny_model, list(args), LOG_DIR / f"{name}.log")
+        return servers[key]
+
+    yield get
+    for server in servers.values():
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def unicache_server(server_factory):
+    return server_factory("--unicache", "--unicache-keep-ratio", "0.25", "--enable-cache-report")
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model):
+    """An offline ``sglang.Engine`` with the plugin enabled through keyword arguments."""
+    import sglang
+
+    eng = sglang.Engine(model_path=str(tiny_model), unicache=True, unicache_keep_ratio=0.5,
+                        log_level="error")
+    yield eng
+    eng.shutdown()
