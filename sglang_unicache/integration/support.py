@@ -46,12 +46,12 @@ def unsupported_server_args(args: Any) -> str | None:
 
 def unsupported_model(hf_config: dict[str, Any]) -> str | None:
     """Why the checkpoint's config rules ``--unicache`` out, or None."""
-    text = hf_config.get("text_config") or hf_config
-    if any(key in text or key in hf_config for key in ("kv_lora_rank", "index_topk")):
+    # VLM checkpoints keep the language model's fields in text_config, older ones at the top.
+    merged = {**(hf_config.get("text_config") or {}), **hf_config}
+    if "kv_lora_rank" in merged or "index_topk" in merged:
         return "MLA/DSA models are not supported with --unicache (they use a latent KV pool)"
-    layer_types = text.get("layer_types") or []
-    hybrid = [t for t in layer_types if t in _HYBRID_LAYER_TYPES]
-    if hybrid or text.get("use_sliding_window") or hf_config.get("is_hybrid_swa"):
+    hybrid = [t for t in merged.get("layer_types") or [] if t in _HYBRID_LAYER_TYPES]
+    if hybrid or merged.get("use_sliding_window") or merged.get("is_hybrid_swa"):
         kind = hybrid[0] if hybrid else "sliding_attention"
         return f"hybrid models ({kind} layers: SWA/SSM pools) are not supported with --unicache"
     archs = hf_config.get("architectures") or []

@@ -1,0 +1,97 @@
+"""The main job: serve a VLM on CPU with ``--unicache`` and run a multi-turn image workload.
+
+    python -m sglang_unicache.demo [--model PATH] [--images 4] [--turns 3]
+
+Without ``--model`` it builds the bundled tiny Qwen2-VL checkpoint. It starts the real SGLang
+server on the ``unicache_cpu`` platform, runs one conversation per image (each turn re-sends the
+whole history, as chat clients do), and prints what the prefix cache served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+
+from sglang_unicache.testing.images import data_url, solid_png
+from sglang_unicache.testing.server import start_server
+
+COLOURS = [(220, 40, 40), (40, 180, 60), (40, 80, 220), (230, 200, 40), (160, 60, 200),
+           (240, 140, 30), (30, 200, 200), (120, 120, 120)]
+QUESTIONS = ["What colour is the picture?", "Is there a shape in it?", "Describe it briefly.",
+             "What is at the top left?", "How many objects are there?"]
+
+
+def step(message: str) -> None:
+    print(f"[demo] {message}", flush=True)
+
+
+def run_conversations(url: str, n_images: int, turns: int) -> list[dict]:
+    rows = []
+    for i in range(n_images):
+        image = {"type": "image_url", "image_url": {"url": data_url(solid_png(COLOURS[i % 8]))}}
+        messages = []
+        for turn in range(turns):
+            question = QUESTIONS[turn % len(QUESTIONS)]
+            content = [image, {"type": "text", "text": question}] if turn == 0 else question
+            messages.append({"role": "user", "content": content})
+            start = time.perf_counter()
+            out = requests.post(f"{url}/v1/chat/completions", timeout=120, json={
+                "model": "default", "messages": messages, "max_tokens": 8, "temperature": 0,
+            }).json()
+            elapsed = time.perf_counter() - start
+            answer = out["choices"][0]["message"]["content"]
+            messages.append({"role": "assistant", "content": answer})
+            usage = out["usage"]
+            details = usage.get("prompt_tokens_details") or {}
+            rows.append({"image": i, "turn": turn + 1, "prompt": usage["prompt_tokens"],
+                         "image_tokens": details.get("image_tokens", 0),
+                         "cached": details.get("cached_tokens", 0), "seconds": elapsed})
+            step(f"image {i + 1}/{n_images} turn {turn + 1}/{turns}: "
+                 f"{usage['prompt_tokens']} prompt tokens, {rows[-1]['cached']} from cache")
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'image':>5} {'turn':>4} {'prompt':>6} {'image tok':>9} {'cached':>6} {'s':>6}")
+    for r in rows:
+        print(f"{r['image']:>5} {r['turn']:>4} {r['prompt']:>6} {r['image_tokens']:>9} "
+              f"{r['cached']:>6} {r['seconds']:>6.2f}")
+    prompt = sum(r["prompt"] for r in rows)
+    cached = sum(r["cached"] for r in rows)
+    print(f"\n{len(rows)} requests, {prompt} prompt tokens, {cached} served from the prefix cache "
+          f"({100 * cached / max(prompt, 1):.0f}%), {sum(r['seconds'] for r in rows):.1f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="checkpoint directory (default: build the tiny one)")
+    parser.add_argument("--images", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--log", default="runs/demo-server.log")
+    parser.add_argument("server_args", nargs="*", help="extra flags for the server, after --")
+    args = parser.parse_args()
+
+    model = args.model
+    if model is None:
+        from sglang_unicache.testing.tiny_vlm import build_tiny_qwen2_vl
+
+        step("building the tiny Qwen2-VL checkpoint")
+        model = build_tiny_qwen2_vl(Path(tempfile.mkdtemp()) / "tiny-qwen2-vl")
+    flags = ["--unicache", "--enable-cache-report", *args.server_args]
+    step(f"starting the SGLang server on CPU with {' '.join(flags)} (log: {args.log})")
+    start = time.perf_counter()
+    server = start_server(model, flags, args.log)
+    step(f"server ready in {time.perf_counter() - start:.0f} s")
+    try:
+        rows = run_conversations(server.url, args.images, args.turns)
+    finally:
+        server.stop()
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
