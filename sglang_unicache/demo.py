@@ -19,10 +19,23 @@ import requests
 from sglang_unicache.testing.images import data_url, solid_png
 from sglang_unicache.testing.server import start_server
 
-COLOURS = [(220, 40, 40), (40, 180, 60), (40, 80, 220), (230, 200, 40), (160, 60, 200),
-           (240, 140, 30), (30, 200, 200), (120, 120, 120)]
-QUESTIONS = ["What colour is the picture?", "Is there a shape in it?", "Describe it briefly.",
-             "What is at the top left?", "How many objects are there?"]
+COLOURS = [
+    (220, 40, 40),
+    (40, 180, 60),
+    (40, 80, 220),
+    (230, 200, 40),
+    (160, 60, 200),
+    (240, 140, 30),
+    (30, 200, 200),
+    (120, 120, 120),
+]
+QUESTIONS = [
+    "What colour is the picture?",
+    "Is there a shape in it?",
+    "Describe it briefly.",
+    "What is at the top left?",
+    "How many objects are there?",
+]
 
 
 def step(message: str) -> None:
@@ -39,31 +52,51 @@ def run_conversations(url: str, n_images: int, turns: int) -> list[dict]:
             content = [image, {"type": "text", "text": question}] if turn == 0 else question
             messages.append({"role": "user", "content": content})
             start = time.perf_counter()
-            out = requests.post(f"{url}/v1/chat/completions", timeout=120, json={
-                "model": "default", "messages": messages, "max_tokens": 8, "temperature": 0,
-            }).json()
+            out = requests.post(
+                f"{url}/v1/chat/completions",
+                timeout=120,
+                json={
+                    "model": "default",
+                    "messages": messages,
+                    "max_tokens": 8,
+                    "temperature": 0,
+                },
+            ).json()
             elapsed = time.perf_counter() - start
             answer = out["choices"][0]["message"]["content"]
             messages.append({"role": "assistant", "content": answer})
             usage = out["usage"]
             details = usage.get("prompt_tokens_details") or {}
-            rows.append({"image": i, "turn": turn + 1, "prompt": usage["prompt_tokens"],
-                         "image_tokens": details.get("image_tokens", 0),
-                         "cached": details.get("cached_tokens", 0), "seconds": elapsed})
-            step(f"image {i + 1}/{n_images} turn {turn + 1}/{turns}: "
-                 f"{usage['prompt_tokens']} prompt tokens, {rows[-1]['cached']} from cache")
+            rows.append(
+                {
+                    "image": i,
+                    "turn": turn + 1,
+                    "prompt": usage["prompt_tokens"],
+                    "image_tokens": details.get("image_tokens", 0),
+                    "cached": details.get("cached_tokens", 0),
+                    "seconds": elapsed,
+                }
+            )
+            step(
+                f"image {i + 1}/{n_images} turn {turn + 1}/{turns}: "
+                f"{usage['prompt_tokens']} prompt tokens, {rows[-1]['cached']} from cache"
+            )
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'image':>5} {'turn':>4} {'prompt':>6} {'image tok':>9} {'cached':>6} {'s':>6}")
     for r in rows:
-        print(f"{r['image']:>5} {r['turn']:>4} {r['prompt']:>6} {r['image_tokens']:>9} "
-              f"{r['cached']:>6} {r['seconds']:>6.2f}")
+        print(
+            f"{r['image']:>5} {r['turn']:>4} {r['prompt']:>6} {r['image_tokens']:>9} "
+            f"{r['cached']:>6} {r['seconds']:>6.2f}"
+        )
     prompt = sum(r["prompt"] for r in rows)
     cached = sum(r["cached"] for r in rows)
-    print(f"\n{len(rows)} requests, {prompt} prompt tokens, {cached} served from the prefix cache "
-          f"({100 * cached / max(prompt, 1):.0f}%), {sum(r['seconds'] for r in rows):.1f} s")
+    print(
+        f"\n{len(rows)} requests, {prompt} prompt tokens, {cached} served from the prefix cache "
+        f"({100 * cached / max(prompt, 1):.0f}%), {sum(r['seconds'] for r in rows):.1f} s"
+    )
 
 
 def main() -> None:

@@ -37,7 +37,8 @@ def server_factory(tiny_model):
     def get(*args: str):
         key = tuple(args)
         if key not in servers:
-            name = "server-" + ("_".join(a.lstrip("-") for a in args) or "stock")[:80]
+            flags = "_".join(Path(a).name if "/" in a else a.lstrip("-") for a in args)
+            name = "server-" + (flags or "stock")[:100]
             servers[key] = start_server(tiny_model, list(args), LOG_DIR / f"{name}.log")
         return servers[key]
 

@@ -12,12 +12,28 @@ from importlib.metadata import PackageNotFoundError, version
 
 from sglang_unicache import SGLANG_VERSION
 
-# Every dotted target the plugin hooks or calls into; each must resolve.
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+# (target, hook function in integration/hooks.py, HookType name) -- registered by plugin.py.
+HOOKS = (
+    ("sglang.srt.server_args.ServerArgs.add_cli_args", "after_add_cli_args", "AFTER"),
+    ("sglang.srt.server_args.ServerArgs.from_cli_args", "around_from_cli_args", "AROUND"),
+    (f"{_SCHEDULER}.__init__", "after_scheduler_init", "AFTER"),
+    (f"{_SCHEDULER}.run_batch", "around_run_batch", "AROUND"),
+    ("sglang.srt.layers.attention.base_attn_backend.AttentionBackend.forward",
+     "around_attention_forward", "AROUND"),
+    ("sglang.srt.mem_cache.common.checkpoint_kv_cache", "around_checkpoint_kv_cache", "AROUND"),
+    ("sglang.srt.mem_cache.common.release_kv_cache", "after_release_kv_cache", "AFTER"),
+    ("sglang.srt.managers.schedule_batch.Req.reset_for_retract", "after_reset_for_retract",
+     "AFTER"),
+    ("sglang.srt.managers.scheduler_components.output_streamer._GenerationStreamAccumulator."
+     "accept", "around_stream_accept", "AROUND"),
+    ("sglang.srt.managers.scheduler_components.internal_state."
+     "SchedulerInternalStateController.get_internal_state", "after_get_internal_state", "AFTER"),
+)
+# Every dotted target the plugin hooks or patches; each must resolve.
 HOOKED_TARGETS = (
-    "sglang.srt.server_args.ServerArgs.add_cli_args",
-    "sglang.srt.server_args.ServerArgs.from_cli_args",
+    *(target for target, _, _ in HOOKS),
     "sglang.srt.entrypoints.engine.Engine.server_args_class",
-    "sglang.srt.managers.scheduler.Scheduler.__init__",
 )
 
 

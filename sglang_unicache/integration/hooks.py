@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sglang_unicache.integration import flags
+from sglang_unicache.integration import capture, flags
+from sglang_unicache.integration.controller import Controller
 from sglang_unicache.integration.support import local_hf_config, unsupported_setup
 
 logger = logging.getLogger("sglang_unicache")
@@ -23,6 +24,11 @@ def _checked_config(server_args: Any, config: Any) -> Any:
         reason = unsupported_setup(server_args, local_hf_config(server_args.model_path))
         if reason:
             raise flags.UniCacheFlagError(reason)
+        if not server_args.disable_overlap_schedule:
+            # Compaction rewrites a request's lengths between its prefill and its first decode;
+            # the overlap scheduler would already have launched that decode.
+            server_args.disable_overlap_schedule = True
+            logger.info("sglang-unicache: --unicache runs with the overlap scheduler disabled")
     return config
 
 
@@ -54,18 +60,73 @@ def make_engine_server_args(**kwargs: Any) -> Any:
     return server_args
 
 
+_controller: Controller | None = None
+
+
 def after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    global _controller
     config = flags.config_of(scheduler.server_args)
-    scheduler.unicache_config = config
-    if config is not None:
-        hf_config = scheduler.model_config.hf_config.to_dict()
-        reason = unsupported_setup(scheduler.server_args, hf_config)
-        if reason:
-            raise flags.UniCacheFlagError(reason)
-        # Flags only, until compression lands (issue 4): nothing is compressed yet.
-        logger.info(
-            "sglang-unicache: scheduler received config method=%s keep_ratio=%s "
-            "min_image_tokens=%s (compression not active in this version)",
-            config.method, config.keep_ratio, config.min_image_tokens,
-        )
+    if config is None:
+        return result
+    hf_config = scheduler.model_config.hf_config.to_dict()
+    reason = unsupported_setup(scheduler.server_args, hf_config)
+    if reason:
+        raise flags.UniCacheFlagError(reason)
+    allocator = scheduler.token_to_kv_pool_allocator
+    _controller = Controller(config, scheduler.req_to_token_pool.req_to_token,
+                             allocator.get_kvcache(), allocator)
+    scheduler.unicache = _controller
+    logger.info("sglang-unicache: scheduler received config method=%s keep_ratio=%s "
+                "min_image_tokens=%s", config.method, config.keep_ratio, config.min_image_tokens)
     return result
+
+
+def around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    if _controller is None or not batch.forward_mode.is_extend():
+        return original(scheduler, batch, *args, **kwargs)
+    capture.set_active(_controller.begin_forward(batch))
+    try:
+        return original(scheduler, batch, *args, **kwargs)
+    finally:
+        capture.set_active(None)
+
+
+def around_checkpoint_kv_cache(original: Any, req: Any, tree_cache: Any, *args: Any,
+                               **kwargs: Any) -> Any:
+    if _controller is not None:
+        _controller.on_checkpoint(req)
+    return original(req, tree_cache, *args, **kwargs)
+
+
+def after_release_kv_cache(result: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    if _controller is not None and req.finished():
+        _controller.on_release(req)
+    return result
+
+
+def after_reset_for_retract(result: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    if _controller is not None:
+        _controller.on_retract(req)
+    return result
+
+
+def around_stream_accept(original: Any, accumulator: Any, *args: Any, req: Any,
+                         **kwargs: Any) -> Any:
+    """Usage reports the prompt as the user sent it, not the compacted row."""
+    before = len(accumulator.prompt_tokens)
+    result = original(accumulator, *args, req=req, **kwargs)
+    if len(accumulator.prompt_tokens) > before:
+        accumulator.prompt_tokens[-1] += getattr(req, "unicache_removed", 0)
+    return result
+
+
+def after_get_internal_state(result: Any, state_controller: Any, *args: Any, **kwargs: Any) -> Any:
+    """``/server_info`` shows the allocator's free slots (also without --unicache) and our stats."""
+    allocator = state_controller.scheduler.token_to_kv_pool_allocator
+    result.internal_state["kv_available_slots"] = int(allocator.available_size())
+    if _controller is not None:
+        result.internal_state["unicache"] = _controller.snapshot()
+    return result
+
+
+around_attention_forward = capture.around_attention_forward

@@ -6,7 +6,7 @@ detokenizer), so all state is created here, never inherited (DESIGN.md §3).
 
 from __future__ import annotations
 
-from sglang_unicache.integration.compat import check_compatible
+from sglang_unicache.integration.compat import HOOKS, check_compatible
 
 
 def register() -> None:
@@ -17,12 +17,8 @@ def register() -> None:
 
     from sglang_unicache.integration import hooks
 
-    HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args",
-                          hooks.after_add_cli_args, HookType.AFTER)
-    HookRegistry.register("sglang.srt.server_args.ServerArgs.from_cli_args",
-                          hooks.around_from_cli_args, HookType.AROUND)
-    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.__init__",
-                          hooks.after_scheduler_init, HookType.AFTER)
+    for target, hook, kind in HOOKS:
+        HookRegistry.register(target, getattr(hooks, hook), getattr(HookType, kind))
     # Not through HookRegistry: it would rebind every module's reference to the ServerArgs
     # class. Engine.__init__ reads this attribute after loading plugins, so the first Engine
     # of a process already takes the unicache keyword arguments.

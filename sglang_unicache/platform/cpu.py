@@ -14,7 +14,8 @@ Activation (``activate`` is the ``sglang.srt.platforms`` entry point):
 
 On a CPU the default KV pool would take most of the RAM, so the platform caps
 ``max_total_tokens`` (``SGLANG_UNICACHE_CPU_MAX_TOTAL_TOKENS``, default 32768) unless the user
-passes ``--max-total-tokens``.
+passes ``--max-total-tokens``, and turns on ``sleep_on_idle`` (an idle scheduler would otherwise
+spin a core at 100%).
 """
 
 from __future__ import annotations

@@ -42,3 +42,6 @@ class UniCacheCpuPlatform(CpuDeviceMixin, SRTPlatform):
             server_args.attention_backend = "torch_native"
         if server_args.sampling_backend is None:
             server_args.sampling_backend = "pytorch"
+        # An idle scheduler otherwise spins one core at 100%: on a CPU host that core is the
+        # one the next request needs.
+        server_args.sleep_on_idle = True

@@ -1,0 +1,24 @@
+"""Budgets: how many entries each layer keeps (the contract is ``base.py``).
+
+- ``uniform.py``  same K in every layer; ``FullBudget`` keeps everything
+- ``pyramid.py``  PyramidKV arithmetic decrease
+- ``unicache.py`` UniCache cosine layer-rate curve (seed §4.3)
+- ``aircache.py`` AirCache strength + skewness (seed 001, design 2)
+- ``modality.py`` UniCache modality budgets by information density (seed §5.2)
+"""
+
+from .aircache import AirCacheBudget
+from .base import LayerBudget, apportion
+from .pyramid import PyramidBudget
+from .unicache import UniCacheBudget
+from .uniform import FullBudget, UniformBudget
+
+__all__ = [
+    "AirCacheBudget",
+    "FullBudget",
+    "LayerBudget",
+    "PyramidBudget",
+    "UniCacheBudget",
+    "UniformBudget",
+    "apportion",
+]

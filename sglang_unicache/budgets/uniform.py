@@ -1,0 +1,27 @@
+"""Uniform budget: every layer keeps K = max(1, round(keep * N)) entries (SnapKV, H2O)."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import LayerBudget
+
+
+class UniformBudget(LayerBudget):
+    name = "uniform"
+
+    def layer_factors(self, ctx):  # noqa: ANN001, ANN201
+        return torch.ones(ctx.num_layers)
+
+
+class FullBudget(LayerBudget):
+    """Every layer keeps the whole span (identity)."""
+
+    name = "full"
+    keeps_everything = True
+
+    def layer_factors(self, ctx):  # noqa: ANN001, ANN201
+        return torch.ones(ctx.num_layers)
+
+    def allocate(self, ctx, seg, keep):  # noqa: ANN001, ANN201
+        return torch.full((ctx.num_layers,), seg.length, dtype=torch.long)

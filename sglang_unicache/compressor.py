@@ -1,0 +1,247 @@
+"""The compression template, written once: score -> budget -> select -> reduce (STYLE.md).
+
+A ``Method`` is a composition of one scorer (``policies/``), one layer budget (``budgets/``) and
+one reducer (``reducers/``) plus two selection knobs (recent tokens for H2O, spatial anchors for
+UniCache). ``Method.plan(inputs)`` returns a ``RequestPlan`` with one ``CompressionPlan`` per span;
+``execute(plan, keys, values)`` turns a span plan into compressed K/V. Build methods by name with
+``registry.build_method(config)``.
+
+Order of operations (UniCache seed §3.2, §5.3, §6.3, §7):
+1. head merging (if on) happens inside ``PlanContext`` before any score is computed;
+2. alignment tokens and, with ``dynamic_rate``, the complexity-derived keep ratio, both on the
+   original input;
+3. modality budgets (``compress_text`` only), then per-layer budgets per span;
+4. per layer and span: protected > recent > anchors > score, top-K per head, sorted ascending;
+5. reduction (evict / merge); quantization happens in ``execute`` (after token compression);
+6. the KL self-check on the last layers sets the fallback flag.
+
+Hot paths are vectorised over heads and tokens; Python loops are over layers and spans only. The
+only host syncs per plan are budget bookkeeping (small CPU tensors) and the final self-check value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .budgets.base import LayerBudget
+from .budgets.modality import modality_keep
+from .checks.fallback import dynamic_keep_ratio
+from .checks.selfcheck import self_check
+from .config import UniCacheConfig
+from .policies.alignment import alignment_scores, protected_count
+from .policies.base import Scorer
+from .policies.context import PlanContext
+from .policies.signals import masked_minmax
+from .reducers.apply import execute
+from .reducers.base import Reducer
+from .reducers.heads import num_clusters
+from .reducers.quantize import bits_of, quantized_nbytes
+from .types import (
+    ByteReport,
+    CompressedKV,
+    CompressionPlan,
+    ImageSpan,
+    LayerPlan,
+    RequestPlan,
+    ScoreInputs,
+    SelfCheckResult,
+)
+
+Tensor = torch.Tensor
+
+__all__ = ["Method", "execute", "select", "plan"]
+
+
+def select(scores: Tensor, k: int, forced: Tensor, n_recent: int = 0, n_anchor: int = 0) -> Tensor:
+    """Top-``k`` span tokens per head, ``[H, k]`` int64 ascending.
+
+    Priority: ``forced`` (``[N]`` bool, protected) > the last ``n_recent`` tokens > ``n_anchor``
+    evenly spaced anchors > score (min-max normalised per head, so tiers never mix).
+    """
+    h, n = scores.shape
+    key = masked_minmax(
+        scores.float().nan_to_num(0.0), torch.ones(n, dtype=torch.bool, device=scores.device)
+    )
+    tier = forced.float() * 8.0
+    if n_recent > 0:
+        tier[n - n_recent :] += 4.0
+    if n_anchor > 0:
+        idx = ((torch.arange(n_anchor, device=scores.device) + 0.5) * (n / n_anchor)).long()
+        tier[idx.clamp_max(n - 1)] += 2.0
+    key = key + tier.unsqueeze(0)
+    return torch.topk(key, k, dim=1).indices.sort(dim=1).values
+
+
+@dataclass(frozen=True)
+class Method:
+    """One named composition. Capabilities (``needs_queries``, ``query_dependent``) are read by
+    the engine; no code branches on the concrete method."""
+
+    name: str
+    config: UniCacheConfig
+    scorer: Scorer
+    budget: LayerBudget
+    reducer: Reducer
+    recent_fraction: float = 0.0
+    anchor_fraction: float = 0.0
+    protects_alignment: bool = False
+
+    @property
+    def needs_queries(self) -> bool:
+        return bool(self.scorer.needs_queries or self.budget.needs_queries)
+
+    @property
+    def query_dependent(self) -> bool:
+        return bool(self.scorer.query_dependent or self.budget.needs_queries)
+
+    # -- the template ---------------------------------------------------------------------------
+    def plan(self, inputs: ScoreInputs) -> RequestPlan:
+        """Plan the compression of every span of one request (inputs are not modified)."""
+        cfg = self.config
+        ctx = PlanContext(inputs, cfg)
+        if self.needs_queries:
+            ctx.require_queries(f"method {self.name!r}")
+        identity = self.budget.keeps_everything
+        scores = [self._layer_scores(ctx, li) for li in range(ctx.num_layers)]
+        align_score = None
+        alignment = None
+        if ctx.has_queries and not identity and (self.protects_alignment or cfg.dynamic_rate):
+            align_score = alignment_scores(ctx)  # reuses the per-layer statistics cached above
+            alignment = align_score >= cfg.alignment_threshold
+        keep, complexity = cfg.keep_ratio, None
+        if cfg.dynamic_rate and not identity:
+            n_align = int(alignment.sum()) if alignment is not None else 0
+            n_v = int(ctx.is_visual.sum())
+            keep, complexity = dynamic_keep_ratio(cfg, n_v, inputs.num_tokens - n_v, n_align)
+        keep_v, keep_t = modality_keep(ctx, keep) if cfg.compress_text else (keep, 1.0)
+        plans = []
+        for seg in ctx.segments:
+            seg_keep = keep_v if seg.modality == "image" else keep_t
+            use_align = align_score if self.protects_alignment else None
+            plans.append(self._plan_segment(ctx, seg, scores, seg_keep, use_align, identity))
+        check = None
+        if cfg.selfcheck and not identity:
+            check = self_check(ctx, plans)
+        elif cfg.selfcheck:
+            check = SelfCheckResult(0.0, cfg.kl_threshold, (), False, True)
+        for p in plans:
+            p.selfcheck = check
+        return RequestPlan(self.name, plans, keep, check, complexity, alignment)
+
+    def execute(
+        self,
+        plan: CompressionPlan,
+        keys: Sequence[Tensor] | Tensor,
+        values: Sequence[Tensor] | Tensor,
+        **kw,
+    ) -> CompressedKV:
+        return execute(plan, keys, values, **kw)
+
+    # -- steps ------------------------------------------------------------------------------------
+    def _layer_scores(self, ctx: PlanContext, layer: int) -> Tensor:
+        s = self.scorer.score(ctx, layer).float()
+        hm = ctx.head_merge(layer)
+        if hm is not None:  # one selection per head cluster (seed §3: score merged heads)
+            head_map = hm[0]
+            sums = torch.zeros_like(s).index_put_((head_map,), s, True)
+            counts = torch.bincount(head_map, minlength=s.shape[0]).clamp_min(1)
+            s = (sums / counts.unsqueeze(1))[head_map]
+        return s
+
+    def _plan_segment(
+        self,
+        ctx: PlanContext,
+        seg: ImageSpan,
+        scores: list[Tensor],
+        keep: float,
+        align_score: Tensor | None,
+        identity: bool,
+    ) -> CompressionPlan:
+        cfg = self.config
+        n, num_layers = seg.length, ctx.num_layers
+        dev = ctx.inputs.device
+        skipped = identity or (seg.modality == "image" and n < cfg.min_image_tokens)
+        if skipped:
+            budgets = torch.full((num_layers,), n, dtype=torch.long)
+        else:
+            budgets = self.budget.allocate(ctx, seg, keep)
+        forced = torch.zeros(n, dtype=torch.bool, device=dev)
+        if ctx.inputs.protected is not None:
+            forced |= ctx.inputs.protected[seg.start : seg.end].to(dev)
+        n_user = int(forced.sum())
+        budgets = budgets.clamp_min(n_user)  # recorded protection outranks the budget
+        if align_score is not None and cfg.protect_alignment and not skipped:
+            a = align_score[seg.start : seg.end]
+            cand = (a >= cfg.alignment_threshold) & ~forced
+            n_prot = protected_count(int(cand.sum()), int(budgets.min()), n, cfg.alignment_discount)
+            n_prot = min(n_prot, int(budgets.min()) - n_user)
+            if n_prot > 0:
+                top = torch.topk(torch.where(cand, a, torch.full_like(a, -1.0)), n_prot).indices
+                forced[top] = True
+        protected = torch.nonzero(forced).flatten()
+        slots = int(budgets.max())
+        counts = budgets if cfg.layer_fill == "none" else torch.full_like(budgets, slots)
+        layers = []
+        for li in range(num_layers):
+            k = int(counts[li])
+            s = scores[li][:, seg.start : seg.end]
+            n_recent = round(self.recent_fraction * k) if not skipped else 0
+            n_anchor = round(self.anchor_fraction * k) if not skipped else 0
+            kept = select(s, k, forced, n_recent, n_anchor)
+            assign, weight = self.reducer.reduce(ctx, li, seg, kept, s)
+            hm = ctx.head_merge(li)
+            layers.append(
+                LayerPlan(
+                    kept,
+                    assign,
+                    weight,
+                    int(budgets[li]),
+                    None if hm is None else hm[0],
+                    None if hm is None else hm[1],
+                    merges=self.reducer.merges,
+                )
+            )
+        report = byte_report(ctx, seg, layers, protected, cfg.quantization)
+        return CompressionPlan(
+            seg, self.name, layers, protected, slots, report, cfg.quantization, skipped
+        )
+
+
+def byte_report(
+    ctx: PlanContext, seg: ImageSpan, layers: list[LayerPlan], protected: Tensor, quantization: str
+) -> ByteReport:
+    """Exact byte accounting of one span plan (see ``ByteReport``)."""
+    inp = ctx.inputs
+    h, d = inp.num_kv_heads, inp.head_dim
+    elt = torch.empty((), dtype=inp.dtype).element_size()
+    counts = [lp.num_kept for lp in layers]
+    slots = max(counts)
+    quant = 0
+    if quantization != "off":
+        bits = bits_of(quantization)
+        quant = sum(2 * quantized_nbytes(k, h, d, bits) for k in counts)
+    clusters = [h if lp.head_map is None else num_clusters(lp.head_map) for lp in layers]
+    meta = protected.numel() * protected.element_size()
+    for lp in layers:
+        for t in (lp.kept, lp.assign, lp.weight, lp.head_map, lp.head_weight):
+            if t is not None:
+                meta += t.numel() * t.element_size()
+    return ByteReport(
+        full=2 * len(layers) * seg.length * h * d * elt,
+        nominal=2 * sum(counts) * h * d * elt,
+        physical=2 * len(layers) * slots * h * d * elt,
+        quantized=quant,
+        head_merged=2 * sum(k * c for k, c in zip(counts, clusters, strict=True)) * d * elt,
+        metadata=meta,
+        element_bytes=elt,
+    )
+
+
+def plan(inputs: ScoreInputs, config: UniCacheConfig | None = None) -> RequestPlan:
+    """Convenience: ``build_method(config).plan(inputs)``."""
+    from .registry import build_method
+
+    return build_method(config or UniCacheConfig()).plan(inputs)

@@ -1,0 +1,63 @@
+"""Score capture: the observation queries of each eligible request, taken during its prefill.
+
+DESIGN.md §3 (score capture). An AROUND hook on ``AttentionBackend.forward`` sees every layer's
+post-RoPE queries of the tokens being extended, for any attention backend. Before the forward,
+``QueryCapture`` computes once which rows of the flattened batch are the last W prompt positions
+of the requests that will be compressed; each layer then costs one gather (no per-request loop,
+no host sync). Memory: ``layers x W x q_heads x head_dim`` per request. Keys need no capture: they
+are in the KV pool after the forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class CaptureTarget:
+    """One request whose observation queries this forward collects."""
+
+    rid: str
+    batch_index: int
+    rows: range  # rows of the flattened extend tokens (the last W of this request)
+    positions: range  # their token positions in the request
+
+
+@dataclass
+class QueryCapture:
+    """Observation queries of every target, per layer: ``queries[layer] = [sum W, Hq, D]``."""
+
+    targets: list[CaptureTarget]
+    index: torch.Tensor  # [sum W] int64 rows, in target order
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def for_targets(cls, targets: list[CaptureTarget], device) -> QueryCapture:
+        rows = [r for t in targets for r in t.rows]
+        return cls(targets, torch.tensor(rows, dtype=torch.int64, device=device))
+
+    def record(self, layer_id: int, q: torch.Tensor, head_dim: int) -> None:
+        q = q.reshape(q.shape[0], -1, head_dim)
+        self.queries[layer_id] = q.index_select(0, self.index)
+
+    def queries_of(self, target: CaptureTarget) -> list[torch.Tensor]:
+        """Per layer ``[W, Hq, D]`` for one target, in layer order."""
+        start = sum(len(t.rows) for t in self.targets[: self.targets.index(target)])
+        stop = start + len(target.rows)
+        return [self.queries[layer][start:stop] for layer in sorted(self.queries)]
+
+
+_active: QueryCapture | None = None
+
+
+def set_active(capture: QueryCapture | None) -> None:
+    global _active
+    _active = capture
+
+
+def around_attention_forward(original, backend, q, k, v, layer, forward_batch, *args, **kwargs):
+    if _active is not None and forward_batch.forward_mode.is_extend():
+        _active.record(layer.layer_id, q, layer.head_dim)
+    return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)

@@ -1,0 +1,238 @@
+"""The scheduler-side driver: which requests to compress, and compressing them after prefill.
+
+Life of a request with an image (non-overlap scheduler):
+1. ``begin_forward`` (before an extend batch runs): a request whose prompt ends in this extend
+   and whose image spans (>= ``min_image_tokens``) are all computed in it becomes a target; its
+   last W prompt positions are marked for query capture (``capture.py``).
+2. The forward runs; the attention hook gathers the targets' observation queries per layer.
+3. ``on_checkpoint`` (the request survived prefill and is about to enter the radix tree): gather
+   the prompt's K/V from the pool, run the policy, write the compressed entries, compact the row,
+   free N - K slots per image, and rewrite the request so every length agrees: its token ids (the
+   span becomes K ids derived from the image, the config and, for query-dependent methods, the
+   request), ``extend_end``, KV lengths, the batch's ``seq_lens``, and its M-RoPE data.
+4. A self-check failure or any error leaves the request on its full KV (counted as a fallback).
+5. ``on_retract`` restores the original ids and positions, so a retracted request is prefilled
+   again from its real tokens (and compressed again).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from array import array
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang_unicache.config import UniCacheConfig
+from sglang_unicache.integration.capture import CaptureTarget, QueryCapture
+from sglang_unicache.integration.compaction import SpanResult, compact_row, gather_prompt_kv
+from sglang_unicache.integration.positions import MropeBackup, restore_mrope, shift_mrope
+from sglang_unicache.registry import build_method
+from sglang_unicache.types import ImageSpan, ScoreInputs
+
+logger = logging.getLogger("sglang_unicache")
+
+COMPRESSED_ID_BASE = 1_500_000_000  # above SGLang's image pad ids, below 2**31
+COMPRESSED_ID_RANGE = 400_000_000
+
+
+@dataclass
+class Stats:
+    images_compressed: int = 0
+    requests_compressed: int = 0
+    slots_freed: int = 0
+    fallbacks: int = 0
+    skipped_cached: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Pending:
+    batch: object
+    target: CaptureTarget
+    spans: list[tuple[int, int, int]]  # (start, end, image pad id), end exclusive
+
+
+@dataclass
+class Record:
+    """What a compression changed on a request, to undo it on retraction."""
+
+    origin_input_ids: array
+    mrope: MropeBackup | None
+
+
+@dataclass
+class Controller:
+    config: UniCacheConfig
+    req_to_token: torch.Tensor
+    kv_pool: object
+    allocator: object
+    stats: Stats = field(default_factory=Stats)
+    pending: dict[str, Pending] = field(default_factory=dict)
+    records: dict[str, Record] = field(default_factory=dict)
+    capture: QueryCapture | None = None
+
+    def __post_init__(self) -> None:
+        # A slot spans every layer, so every layer keeps the same number of entries: layers whose
+        # budget is smaller are filled with their next-best tokens (DESIGN.md §5).
+        self.method = build_method(self.config.replace(layer_fill="next"))
+        self.active = self.config.method != "full" and self.config.keep_ratio < 1.0
+        digest = json.dumps(self.config.to_dict(), sort_keys=True, default=str)
+        self.config_digest = hashlib.sha256(digest.encode()).hexdigest()[:16]
+
+    # -- 1. choose targets ----------------------------------------------------------------------
+    def image_spans(self, req) -> list[tuple[int, int, int]]:
+        mm = req.multimodal_inputs
+        if mm is None:
+            return []
+        spans = []
+        for item in mm.mm_items:
+            if item.modality.name not in ("IMAGE", "MULTI_IMAGES", "VIDEO"):
+                continue
+            for start, end in item.offsets or []:
+                if end + 1 - start >= self.config.min_image_tokens:
+                    spans.append((start, end + 1, int(item.pad_value or 0)))
+        return sorted(spans)
+
+    def begin_forward(self, batch) -> QueryCapture | None:
+        self.pending.clear()
+        self.capture = None
+        if not self.active or getattr(batch, "decoding_reqs", None):
+            return None
+        targets, spans_of = [], {}
+        offset = 0
+        for i, (req, extend_len) in enumerate(zip(batch.reqs, batch.extend_lens, strict=True)):
+            start_row, offset = offset, offset + extend_len
+            spans = self.image_spans(req)
+            if not spans or req.rid in self.records:
+                continue
+            if req.extend_end != len(req.full_untruncated_fill_ids):
+                continue  # a middle chunk: compress when the prompt is complete
+            if any(start < req.prefix_len for start, _, _ in spans):
+                # Part of an image came from the tree or an earlier chunk: those slots are
+                # shared, so this request keeps its full KV.
+                self.stats.skipped_cached += 1
+                continue
+            w = min(self.config.observation_window, extend_len)
+            targets.append(CaptureTarget(
+                req.rid, i, range(start_row + extend_len - w, start_row + extend_len),
+                range(req.extend_end - w, req.extend_end)))
+            spans_of[req.rid] = spans
+        if not targets:
+            return None
+        self.capture = QueryCapture.for_targets(targets, device=batch.seq_lens.device)
+        self.pending = {t.rid: Pending(batch, t, spans_of[t.rid]) for t in targets}
+        return self.capture
+
+    # -- 3. compress ----------------------------------------------------------------------------
+    def on_checkpoint(self, req) -> None:
+        pending = self.pending.pop(req.rid, None)
+        if pending is None or self.capture is None:
+            return
+        try:
+            self._compress(req, pending, self.capture.queries_of(pending.target))
+        except Exception:
+            self.stats.fallbacks += 1
+            logger.exception("sglang-unicache: compression failed for %s; keeping full KV",
+                             req.rid)
+
+    def _buffers(self):
+        pool = self.kv_pool
+        layers = range(pool.start_layer, pool.start_layer + pool.layer_num)
+        return ([pool.get_key_buffer(i) for i in layers],
+                [pool.get_value_buffer(i) for i in layers])
+
+    def _compress(self, req, pending: Pending, queries: list[torch.Tensor]) -> None:
+        length = req.extend_end
+        row_index = req.kv.req_pool_idx
+        row = self.req_to_token[row_index, :length].clone()
+        k_buffers, v_buffers = self._buffers()
+        keys, values = gather_prompt_kv(k_buffers, v_buffers, row)
+        spans = [ImageSpan(start, end) for start, end, _ in pending.spans]
+        positions = torch.tensor(list(pending.target.positions), dtype=torch.int64)
+        plan = self.method.plan(ScoreInputs(keys, values, spans, obs_queries=queries,
+                                            obs_positions=positions))
+        if plan.fallback:
+            self.stats.fallbacks += 1
+            logger.info("sglang-unicache: self-check failed for %s (KL %.3f > %.3f); full KV kept",
+                        req.rid, plan.selfcheck.kl, plan.selfcheck.threshold)
+            return
+        results = []
+        for span_plan, (start, end, _) in zip(plan.image_plans(), pending.spans, strict=True):
+            if span_plan.skipped:
+                continue
+            compressed = self.method.execute(span_plan, keys, values)
+            results.append(SpanResult(start, end, compressed.keys, compressed.values))
+        if not results:
+            return
+        compaction = compact_row(row, results, k_buffers, v_buffers)
+        removed = compaction.removed
+        self.req_to_token[row_index, :length - removed] = compaction.row
+        self.allocator.free(compaction.freed)
+        self._rewrite_request(req, pending, results, compaction.keep, removed)
+        self.stats.images_compressed += len(results)
+        self.stats.requests_compressed += 1
+        self.stats.slots_freed += removed
+        logger.debug("sglang-unicache: %s compressed %d image(s), %d -> %d slots", req.rid,
+                     len(results), length, length - removed)
+
+    def compressed_ids(self, req, pad_id: int, start: int, count: int) -> list[int]:
+        """Token ids of a compressed span: one per kept entry, keyed like the radix tree needs.
+
+        Same image + same config -> same ids (so the tree can share the span); a query-dependent
+        method's selection belongs to its request, so its ids also carry the request id.
+        """
+        owner = req.rid if self.method.query_dependent else ""
+        key = f"{pad_id}:{start}:{self.config_digest}:{owner}".encode()
+        base = int(hashlib.sha256(key).hexdigest()[:12], 16) % COMPRESSED_ID_RANGE
+        return list(range(COMPRESSED_ID_BASE + base, COMPRESSED_ID_BASE + base + count))
+
+    def _rewrite_request(self, req, pending: Pending, results: list[SpanResult],
+                         keep: torch.Tensor, removed: int) -> None:
+        ids = req.origin_input_ids
+        pads = {start: pad for start, _, pad in pending.spans}
+        pieces, cursor = [], 0
+        for span in results:
+            pieces += ids[cursor:span.start]
+            pieces += self.compressed_ids(req, pads[span.start], span.start, span.kept)
+            cursor = span.end
+        pieces += ids[cursor:]
+        mm = req.multimodal_inputs
+        self.records[req.rid] = Record(ids, shift_mrope(mm, keep, removed) if mm else None)
+        req.origin_input_ids = array("q", pieces)
+        req.full_untruncated_fill_ids = req.origin_input_ids + array("q", req.output_ids)
+        req.unicache_removed = removed  # usage reports the prompt's real length
+        req.extend_end -= removed
+        req.kv.kv_committed_len -= removed
+        req.kv.kv_allocated_len -= removed
+        batch, i = pending.batch, pending.target.batch_index
+        for name in ("seq_lens", "seq_lens_cpu", "orig_seq_lens"):
+            lens = getattr(batch, name, None)
+            if lens is not None:
+                lens = lens.clone()
+                lens[i] -= removed
+                setattr(batch, name, lens)
+        if getattr(batch, "seq_lens_sum", None) is not None:
+            batch.seq_lens_sum -= removed
+
+    # -- 5. undo --------------------------------------------------------------------------------
+    def on_retract(self, req) -> None:
+        record = self.records.pop(req.rid, None)
+        if record is None:
+            return
+        req.origin_input_ids = record.origin_input_ids
+        req.unicache_removed = 0
+        req.full_untruncated_fill_ids = req.origin_input_ids + array("q", req.output_ids)
+        if record.mrope is not None and req.multimodal_inputs is not None:
+            restore_mrope(req.multimodal_inputs, record.mrope)
+
+    def on_release(self, req) -> None:
+        self.records.pop(req.rid, None)
+
+    def snapshot(self) -> dict:
+        return {**self.stats.to_dict(), "available_slots": int(self.allocator.available_size()),
+                "method": self.config.method, "keep_ratio": self.config.keep_ratio}

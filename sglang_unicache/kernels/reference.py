@@ -1,0 +1,169 @@
+"""Torch reference of the hot-path ops: the CPU path and the oracle of the Triton kernels.
+
+Observation-window statistics are computed in bounded memory: keys are processed in column chunks
+of ``chunk`` tokens, so the largest temporary is ``[H, G, W, chunk]`` (never ``[heads, T, T]``).
+Two passes: ``window_lse`` (softmax normalisers), then ``window_colsum`` (probabilities reduced over
+queries). Causality: query at position p sees keys at positions <= p. When the whole request fits
+in one chunk, ``PlanContext`` computes ``causal_logits`` once per layer and derives every statistic
+from it (``lse_from_logits``, ``colsum_from_logits``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def _logits(q: Tensor, k: Tensor, scale: float) -> Tensor:
+    """q ``[W, H*G, D]``, k ``[C, H, D]`` -> fp32 logits ``[H, G, W, C]``.
+
+    One bmm over ``[H, G*W, D] x [H, D, C]``: K is never expanded over the group.
+    """
+    w, hq, d = q.shape
+    c, h, _ = k.shape
+    g = hq // h
+    qh = q.float().reshape(w, h, g, d).permute(1, 2, 0, 3).reshape(h, g * w, d)
+    kh = k.float().permute(1, 2, 0)  # [H, D, C]
+    return torch.bmm(qh, kh).mul_(scale).view(h, g, w, c)
+
+
+def _allowed(q_pos: Tensor, start: int, stop: int, col_mask: Tensor | None, h: int) -> Tensor:
+    """Boolean ``[H or 1, 1, W, C]`` of visible (causal and column-allowed) entries."""
+    cols = torch.arange(start, stop, device=q_pos.device)
+    allowed = (cols[None, :] <= q_pos[:, None])[None, None]  # [1, 1, W, C]
+    if col_mask is not None:
+        cm = col_mask[..., start:stop]
+        cm = cm.reshape(1, 1, 1, -1) if cm.dim() == 1 else cm.reshape(h, 1, 1, -1)
+        allowed = allowed & cm
+    return allowed
+
+
+def causal_logits(
+    q: Tensor, k: Tensor, scale: float, q_pos: Tensor, start: int = 0, stop: int | None = None
+) -> Tensor:
+    """Logits ``[H, G, W, C]`` of keys ``start:stop`` with non-causal entries at ``-inf``."""
+    stop = k.shape[0] if stop is None else stop
+    logits = _logits(q, k[start:stop], scale)
+    return logits.masked_fill_(~_allowed(q_pos, start, stop, None, k.shape[1]), float("-inf"))
+
+
+def _col(col_mask: Tensor | None, h: int, start: int, stop: int) -> Tensor | None:
+    if col_mask is None:
+        return None
+    cm = col_mask[..., start:stop]
+    return cm.reshape(1, 1, 1, -1) if cm.dim() == 1 else cm.reshape(h, 1, 1, -1)
+
+
+def lse_from_logits(logits: Tensor, col_mask: Tensor | None = None, start: int = 0) -> Tensor:
+    """``[H, G, W]`` log-sum-exp of causal logits ``[H, G, W, C]`` over allowed columns."""
+    cm = _col(col_mask, logits.shape[0], start, start + logits.shape[-1])
+    if cm is not None:
+        logits = logits.masked_fill(~cm, float("-inf"))
+    return torch.logsumexp(logits, dim=-1)
+
+
+def colsum_from_logits(
+    logits: Tensor,
+    lse: Tensor,
+    col_mask: Tensor | None = None,
+    row_weight: Tensor | None = None,
+    start: int = 0,
+) -> Tensor:
+    """``[H, C]``: softmax probabilities (normalised by ``lse``) summed over group heads and
+    queries weighted by ``row_weight`` (``[W]`` or ``[H, W]``)."""
+    h, _, w, c = logits.shape
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1)
+    p = torch.exp(logits - safe)  # -inf logits -> 0
+    cm = _col(col_mask, h, start, start + c)
+    if cm is not None:
+        p = p.masked_fill(~cm, 0.0)
+    if row_weight is None:
+        return p.sum(dim=(1, 2))
+    rw = row_weight.float()
+    rw = rw.reshape(1, 1, w, 1) if rw.dim() == 1 else rw.reshape(h, 1, w, 1)
+    return (p * rw).sum(dim=(1, 2))
+
+
+def window_lse(
+    q: Tensor,
+    k: Tensor,
+    scale: float,
+    q_pos: Tensor,
+    col_mask: Tensor | None = None,
+    chunk: int = 8192,
+) -> Tensor:
+    """Log-sum-exp of each observation query's logits over its visible keys: ``[H, G, W]`` fp32.
+
+    q ``[W, Hq, D]``, k ``[T, H, D]``, q_pos ``[W]`` int, col_mask ``[T]`` or ``[H, T]`` bool.
+    Rows with no visible key get ``-inf``. Keys are processed ``chunk`` at a time.
+    """
+    t, h, _ = k.shape
+    w, hq, _ = q.shape
+    out = torch.full((h, hq // h, w), float("-inf"), device=q.device)
+    for start in range(0, t, chunk):
+        stop = min(t, start + chunk)
+        logits = causal_logits(q, k, scale, q_pos, start, stop)
+        out = torch.logaddexp(out, lse_from_logits(logits, col_mask, start))
+    return out
+
+
+def window_colsum(
+    q: Tensor,
+    k: Tensor,
+    scale: float,
+    q_pos: Tensor,
+    lse: Tensor,
+    col_mask: Tensor | None = None,
+    row_weight: Tensor | None = None,
+    chunk: int = 8192,
+) -> Tensor:
+    """Attention each key receives, summed over query heads of its group and weighted queries.
+
+    Returns ``[H, T]`` fp32 with ``out[h, t] = sum_{g, w} row_weight[h, w] * p[h, g, w, t]`` where
+    ``p`` is the softmax over visible keys (normalised by ``lse`` from ``window_lse`` with the same
+    ``col_mask``). row_weight ``[W]`` or ``[H, W]``, default ones.
+    """
+    t, h, _ = k.shape
+    out = torch.empty(h, t, device=q.device)
+    for start in range(0, t, chunk):
+        stop = min(t, start + chunk)
+        logits = causal_logits(q, k, scale, q_pos, start, stop)
+        out[:, start:stop] = colsum_from_logits(logits, lse, col_mask, row_weight, start)
+    return out
+
+
+def gather_heads(x: Tensor, kept: Tensor) -> Tensor:
+    """Per-head gather: x ``[N, H, D]``, kept ``[H, K]`` -> ``[K, H, D]`` (exact copies)."""
+    n, h, d = x.shape
+    idx = kept.T.unsqueeze(-1).expand(kept.shape[1], h, d)
+    return torch.gather(x, 0, idx)
+
+
+def merge_gather(x: Tensor, kept: Tensor, assign: Tensor, weight: Tensor) -> Tensor:
+    """Compressed entries of one layer: ``[K, H, D]`` in x's dtype (seed §6.2).
+
+    x ``[N, H, D]`` span tokens; kept ``[H, K]``; assign ``[H, N]`` (entry or -1);
+    weight ``[H, N]``.
+    An entry with one member is an exact copy of its source token. An entry with several members is
+    their weighted mean, rescaled to the weighted mean of the members' L2 norms ("norm restored to
+    the group's scale"; averaging shrinks vectors that point in different directions).
+    (``index_put_`` with accumulate: 2-D ``index_add_`` is ~1000x slower on CPU in torch 2.14.)
+    """
+    n, h, d = x.shape
+    kk = kept.shape[1]
+    xh = x.transpose(0, 1)  # [H, N, D]
+    gathered = torch.gather(xh, 1, kept.unsqueeze(-1).expand(h, kk, d))  # [H, K, D]
+    valid = assign >= 0
+    flat = (assign.long() + torch.arange(h, device=x.device).unsqueeze(1) * kk)[valid]
+    w = weight.float()[valid]
+    src = xh.float()[valid]  # [M, D]
+    summed = torch.zeros(h * kk, d, device=x.device).index_put_(
+        (flat,), src * w.unsqueeze(-1), True
+    )
+    target = torch.zeros(h * kk, device=x.device).index_put_((flat,), src.norm(dim=-1) * w, True)
+    count = torch.bincount(flat, minlength=h * kk)
+    scale = target / summed.norm(dim=-1).clamp_min(1e-12)
+    merged = (summed * scale.unsqueeze(-1)).to(x.dtype).view(h, kk, d)
+    single = (count <= 1).view(h, kk, 1)
+    return torch.where(single, gathered, merged).transpose(0, 1).contiguous()

@@ -1,0 +1,30 @@
+"""Scorers: which tokens matter (one file per method; the contract is ``base.py``).
+
+- ``snapkv.py``    observation-window attention + max pool (SnapKV)
+- ``h2o.py``       accumulated attention, + recent tokens via the template (H2O)
+- ``knorm.py``     low key norm (question-independent)
+- ``random.py``    seeded random
+- ``full.py``      identity
+- ``aircache.py``  elite observation window (AirCache seed, design 1)
+- ``unicache.py``  unified importance w_a a + w_c c - w_d d + w_r r (UniCache seed §4.2)
+- ``alignment.py`` alignment tokens and protection with discount (UniCache seed §5.3)
+- ``signals.py``   shared helpers; ``context.py`` the per-plan cache of signals
+"""
+
+from .aircache import AirCacheScorer
+from .full import FullScorer
+from .h2o import H2OScorer
+from .knorm import KNormScorer
+from .random import RandomScorer
+from .snapkv import SnapKVScorer
+from .unicache import UniCacheScorer
+
+__all__ = [
+    "AirCacheScorer",
+    "FullScorer",
+    "H2OScorer",
+    "KNormScorer",
+    "RandomScorer",
+    "SnapKVScorer",
+    "UniCacheScorer",
+]

@@ -1,0 +1,58 @@
+"""Alignment tokens and their protection (UniCache seed §5.3).
+
+Seed: a text token whose attention concentrates on the image, or an image patch attended by text
+tokens, is an alignment token when its cross-modal attention share exceeds 0.3; alignment tokens get
+a compression discount of 0.5 (compressed at half the rate of the others).
+
+Our reading, on the statistics we have (observation queries only):
+- text token (observed queries only): share of its attention mass on image tokens >= threshold
+  (the seed's "share", literally);
+- image token: attention received from the text observation queries, averaged over layers and
+  heads, divided by the strongest token of its span, >= threshold (a patch's share of *all*
+  attention is ~1/N for N patches, so the literal share could never reach 0.3; we read it
+  relative to the span's most attended patch).
+Protection with discount: for a span with rate r = 1 - K/N, ``ceil(n_align * (1 - discount*r))``
+alignment tokens (the strongest) are forced into the selection, never more than the smallest layer
+budget, so the budget stays exact. Tokens the caller marks ``ScoreInputs.protected`` are always
+forced (and raise the budget if needed: a protection recorded in the radix tree must hold).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def alignment_scores(ctx) -> Tensor:  # noqa: ANN001
+    """``[T]`` fp32 cross-modal score in [0, 1] (see module docstring); zeros without queries."""
+    t = ctx.inputs.num_tokens
+    out = torch.zeros(t, device=ctx.inputs.device)
+    if not ctx.has_queries:
+        return out
+    recv = torch.stack([ctx.received_from_text(li).mean(0) for li in range(ctx.num_layers)]).mean(0)
+    for s in ctx.inputs.spans:  # loop over images, not tokens
+        seg = recv[s.start : s.end]
+        out[s.start : s.end] = seg / seg.max().clamp_min(1e-12)
+    share = torch.stack([ctx.visual_share(li).mean(0) for li in range(ctx.num_layers)]).mean(0)
+    text_q = ctx.query_is_text
+    out[ctx.obs_positions[text_q]] = share[text_q]
+    return out
+
+
+def alignment_mask(ctx) -> Tensor:  # noqa: ANN001
+    """``[T]`` bool alignment tokens (seed §5.3, threshold ``alignment_threshold``)."""
+    return (
+        alignment_scores(ctx) >= ctx.config.alignment_threshold
+        if ctx.has_queries
+        else (torch.zeros(ctx.inputs.num_tokens, dtype=torch.bool, device=ctx.inputs.device))
+    )
+
+
+def protected_count(n_align: int, k: int, n: int, discount: float) -> int:
+    """Alignment tokens forced into a span's selection: ``ceil(n_align * (1 - discount * rate))``
+    with ``rate = 1 - k/n``, at most ``k``."""
+    rate = 1.0 - k / n
+    return min(k, math.ceil(n_align * (1.0 - discount * rate) - 1e-9))

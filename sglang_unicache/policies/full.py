@@ -1,0 +1,17 @@
+"""Identity: keeps every token (with the ``full`` budget); the quality upper bound."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class FullScorer:
+    name: str = "full"
+    needs_queries: bool = False
+    query_dependent: bool = False
+
+    def score(self, ctx, layer):  # noqa: ANN001, ANN201
+        return torch.zeros(ctx.inputs.num_kv_heads, ctx.inputs.num_tokens, device=ctx.inputs.device)

@@ -1,0 +1,24 @@
+"""Random scorer: a seeded, deterministic lower bound (same seed, layer and shape -> same plan).
+
+Scores are drawn on the CPU from ``torch.Generator`` seeded with ``(seed, layer)`` and moved to the
+inputs' device, so the plan does not depend on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RandomScorer:
+    name: str = "random"
+    needs_queries: bool = False
+    query_dependent: bool = False
+    seed: int = 0
+
+    def score(self, ctx, layer):  # noqa: ANN001, ANN201
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + layer)
+        h, t = ctx.inputs.num_kv_heads, ctx.inputs.num_tokens
+        return torch.rand(h, t, generator=g).to(ctx.inputs.device)

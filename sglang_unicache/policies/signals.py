@@ -1,0 +1,100 @@
+"""Small tensor helpers shared by the scorers: normalisation, redundancy, pooling, positions.
+
+All take and return fp32 tensors; none loops over tokens or heads in Python (loops are over the
+neighbour offsets 1..k only).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+
+def masked_minmax(x: Tensor, mask: Tensor) -> Tensor:
+    """Min-max normalise ``x [H, T]`` to [0, 1] over the columns where ``mask [T]`` is True, per
+    row; other columns become 0. A constant row maps to 0.5 (no preference). Seed §2.3: attention
+    is normalised *within* a modality, never globally."""
+    big = torch.finfo(torch.float32).max
+    m = mask.unsqueeze(0)
+    lo = torch.where(m, x, big).amin(dim=1, keepdim=True)
+    hi = torch.where(m, x, -big).amax(dim=1, keepdim=True)
+    span = hi - lo
+    out = torch.where(span > 1e-12, (x - lo) / span.clamp_min(1e-12), torch.full_like(x, 0.5))
+    return torch.where(m, out, torch.zeros_like(out))
+
+
+def by_modality_minmax(x: Tensor, is_visual: Tensor) -> Tensor:
+    """``masked_minmax`` applied separately to image and text columns."""
+    return masked_minmax(x, is_visual) + masked_minmax(x, ~is_visual)
+
+
+def neighbour_redundancy(keys: Tensor, values: Tensor, run_id: Tensor, k: int) -> Tensor:
+    """Seed §4.2 redundancy d_i: mean cosine similarity of token i's K/V with its neighbours
+    i-k..i+k inside the same run (image span or text run), clipped to [0, 1]. ``[H, T]`` fp32.
+
+    K and V are L2-normalised separately and concatenated, so the similarity is the mean of the key
+    cosine and the value cosine.
+    """
+    x = torch.cat([F.normalize(keys.float(), dim=-1), F.normalize(values.float(), dim=-1)], -1)
+    x = x / 2**0.5  # [T, H, 2D], unit norm per (token, head)
+    t, h, _ = x.shape
+    total = torch.zeros(t, h, device=x.device)
+    count = torch.zeros(t, 1, device=x.device)
+    for off in range(1, min(k, t - 1) + 1):
+        same = (run_id[off:] == run_id[:-off]).float().unsqueeze(-1)  # [T-off, 1]
+        sim = (x[off:] * x[:-off]).sum(-1) * same  # [T-off, H]
+        total[off:] += sim
+        total[:-off] += sim
+        count[off:] += same
+        count[:-off] += same
+    return (total / count.clamp_min(1.0)).clamp(0.0, 1.0).T.contiguous()
+
+
+def grid_redundancy(keys: Tensor, values: Tensor, cols: int, k: int) -> Tensor:
+    """Seed §4.2 redundancy on a patch grid: mean K/V cosine to the neighbours up to ``k`` steps
+    left/right in the same row and up/down in the same column. keys/values ``[N, H, D]`` with
+    ``N % cols == 0`` (rows = N / cols; video frames stack as extra rows). ``[H, N]`` fp32."""
+    n, h, _ = keys.shape
+    x = torch.cat([F.normalize(keys.float(), dim=-1), F.normalize(values.float(), dim=-1)], -1)
+    x = (x / 2**0.5).view(n // cols, cols, h, -1)  # [R, C, H, 2D]
+    total = torch.zeros(n // cols, cols, h, device=x.device)
+    count = torch.zeros(n // cols, cols, 1, device=x.device)
+    for off in range(1, k + 1):
+        if off < cols:  # same row
+            sim = (x[:, off:] * x[:, :-off]).sum(-1)
+            total[:, off:] += sim
+            total[:, :-off] += sim
+            count[:, off:] += 1
+            count[:, :-off] += 1
+        if off < n // cols:  # same column
+            sim = (x[off:] * x[:-off]).sum(-1)
+            total[off:] += sim
+            total[:-off] += sim
+            count[off:] += 1
+            count[:-off] += 1
+    out = (total / count.clamp_min(1.0)).clamp(0.0, 1.0)
+    return out.view(n, h).T.contiguous()
+
+
+def run_position(run_id: Tensor) -> Tensor:
+    """``[T]`` position of each token inside its run, scaled so the run's last token is 1."""
+    t = run_id.shape[0]
+    pos = torch.arange(t, device=run_id.device, dtype=torch.float32)
+    n_runs = int(run_id.max()) + 1
+    first = torch.full((n_runs,), float(t), device=run_id.device).scatter_reduce(
+        0, run_id, pos, reduce="amin"
+    )
+    last = torch.zeros(n_runs, device=run_id.device).scatter_reduce(0, run_id, pos, reduce="amax")
+    length = (last - first)[run_id]
+    return torch.where(
+        length > 0, (pos - first[run_id]) / length.clamp_min(1), torch.ones_like(pos)
+    )
+
+
+def max_pool_tokens(x: Tensor, kernel: int) -> Tensor:
+    """SnapKV's clustering step: 1-D max pool over tokens, same length. ``x [H, T]``."""
+    if kernel <= 1:
+        return x
+    return F.max_pool1d(x.unsqueeze(0), kernel, stride=1, padding=kernel // 2).squeeze(0)

@@ -1,0 +1,75 @@
+"""UniCache unified importance (seed 000 §2.3, §4.2, §4.3) with a query-robust blend (ours).
+
+    s_i = w_a * a_i + w_c * c_i - w_d * d_i + w_r * r_i          (seed §4.2)
+
+- a: attention token i receives from the observation queries, min-max normalised *within its
+  modality* (image tokens among image tokens, text among text; seed §2.3, never globally).
+- c: cross-modal interaction strength. Image token: attention received from the *text*
+  observation queries (normalised within the image modality). Text token with a captured query:
+  the share of its attention on image tokens; other text tokens 0.
+- d: redundancy, mean K/V cosine to the k neighbours each side inside the same span/run (k =
+  ``redundancy_window``, seed: 4-8); on the patch grid (row and column neighbours) when the span
+  carries ``ImageSpan.grid``, in raster order otherwise; subtracted.
+- r: recency prior, position inside the span/run scaled to [0, 1] (seed §4.2: later = higher).
+- Layer-dependent weights (seed §4.3): first third of the layers w_d = 0.3, last third w_a = 0.5,
+  middle third the defaults 0.4/0.3/0.2/0.1.
+
+Query robustness (DESIGN §5, ours, not in the seed): a span compressed after question 1 is reused
+for questions 2..N. The question-dependent parts are blended with a question-free saliency u (low
+key norm, normalised within modality; the knorm signal): ``a' = q*a + (1-q)*u``, same for c, with
+``q = query_weight`` (default 0.6; 1.0 = the seed's formula). The template also reserves
+``anchor_fraction`` (default 5%) of each budget for evenly spaced anchors (spatial coverage, which
+DESIGN §6 found matters: background cells carry position). Without observation queries q is 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .signals import by_modality_minmax
+
+
+def layer_weights(cfg, layer: int, num_layers: int) -> tuple[float, float, float, float]:  # noqa: ANN001
+    """(w_a, w_c, w_d, w_r) of ``layer`` (seed §4.3 shallow/deep adjustments, by thirds)."""
+    wa, wc, wd, wr = cfg.w_attention, cfg.w_cross, cfg.w_redundancy, cfg.w_recency
+    if cfg.layer_dependent_weights and num_layers >= 3:
+        third = layer * 3 // num_layers
+        if third == 0:
+            wd = cfg.shallow_w_redundancy
+        elif third == 2:
+            wa = cfg.deep_w_attention
+    return wa, wc, wd, wr
+
+
+def cross_modal(ctx, layer: int) -> torch.Tensor:  # noqa: ANN001
+    """``[H, T]`` c_i in [0, 1] (see module docstring)."""
+    vis = ctx.is_visual
+    c = by_modality_minmax(ctx.received_from_text(layer), vis) * vis.float()
+    share = ctx.visual_share(layer)  # [H, W]
+    text_q = ctx.query_is_text
+    c[:, ctx.obs_positions[text_q]] = share[:, text_q]
+    return c
+
+
+@dataclass(frozen=True)
+class UniCacheScorer:
+    name: str = "unicache"
+    needs_queries: bool = False
+    query_dependent: bool = True
+
+    def score(self, ctx, layer):  # noqa: ANN001, ANN201
+        cfg = ctx.config
+        vis = ctx.is_visual
+        wa, wc, wd, wr = layer_weights(cfg, layer, ctx.num_layers)
+        u = by_modality_minmax(-ctx.key_norm(layer), vis)
+        d = ctx.redundancy(layer)
+        r = ctx.recency().unsqueeze(0)
+        if ctx.has_queries:
+            q = cfg.query_weight
+            a = q * by_modality_minmax(ctx.received(layer), vis) + (1 - q) * u
+            c = q * cross_modal(ctx, layer) + (1 - q) * u
+        else:
+            a, c = u, u
+        return wa * a + wc * c - wd * d + wr * r

@@ -1,0 +1,18 @@
+"""Eviction: tokens not selected are dropped (the reduction of SnapKV, PyramidKV, H2O, AirCache)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import keep_only
+
+
+@dataclass(frozen=True)
+class EvictReducer:
+    """Keep the selected entries as exact copies; every other token of the span is evicted."""
+
+    name: str = "evict"
+    merges: bool = False  # capability: entries never have more than one member
+
+    def reduce(self, ctx, layer, seg, kept, scores):  # noqa: ANN001, ANN201
+        return keep_only(kept, seg.length)

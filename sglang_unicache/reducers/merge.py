@@ -1,0 +1,70 @@
+"""Merge reduction (UniCache seed §6.1-§6.2): fold redundant evicted tokens into kept entries.
+
+Seed §6.1 bands on the neighbour redundancy d (``PlanContext.redundancy``): d > merge_threshold
+(0.8) -> merge, evict_low <= d <= evict_high (0.5-0.8) with a low score -> evict, the rest kept.
+Here the budget fixes *how many* entries survive (exactly K per layer), the selection decides
+*which*, and this reducer decides what happens to the others:
+
+* d > merge_threshold and cosine to its most similar kept entry >= evict_low -> merged into that
+  entry (we refuse to fold a token into a dissimilar entry: it would corrupt it);
+* everything else not kept -> evicted (the seed's evict band, and, departure, also non-redundant
+  low-score tokens when the budget is smaller than the seed's "keep" band).
+
+Merge weights (§6.2): the members' importance scores, min-max normalised within the span per head
+(plus 1e-3 so no member has weight 0), normalised within each entry; K and V use the same weights;
+the executor restores the merged vector's norm to the members' weighted mean norm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..policies.signals import masked_minmax
+from .base import keep_only
+
+
+@dataclass(frozen=True)
+class MergeReducer:
+    name: str = "merge"
+    merges: bool = True
+
+    def reduce(self, ctx, layer, seg, kept, scores):  # noqa: ANN001, ANN201
+        cfg = ctx.config
+        n = seg.length
+        h, k = kept.shape
+        assign, _ = keep_only(kept, n)
+        if k == n:
+            return assign, (assign >= 0).float()
+        sl = slice(seg.start, seg.end)
+        x = (
+            torch.cat(
+                [
+                    F.normalize(ctx.keys(layer)[sl].float(), dim=-1),
+                    F.normalize(ctx.values(layer)[sl].float(), dim=-1),
+                ],
+                -1,
+            )
+            / 2**0.5
+        )
+        xh = x.transpose(0, 1)  # [H, N, 2D]
+        xk = torch.gather(xh, 1, kept.unsqueeze(-1).expand(h, k, xh.shape[-1]))
+        best_sim, best = torch.bmm(xh, xk.transpose(1, 2)).max(dim=-1)  # [H, N]
+        d = ctx.redundancy(layer)[:, sl]
+        merge = (assign < 0) & (d > cfg.merge_threshold) & (best_sim >= cfg.evict_low)
+        assign = torch.where(merge, best.to(torch.int32), assign)
+        return assign, merge_weights(scores, assign, k)
+
+
+def merge_weights(scores: torch.Tensor, assign: torch.Tensor, k: int) -> torch.Tensor:
+    """Importance weights normalised within each entry: ``[H, N]`` fp32, 0 for evicted tokens."""
+    h, n = scores.shape
+    imp = masked_minmax(scores.float(), torch.ones(n, dtype=torch.bool, device=scores.device))
+    imp = imp + 1e-3
+    valid = assign >= 0
+    imp = torch.where(valid, imp, torch.zeros_like(imp))
+    idx = assign.long().clamp_min(0)
+    total = torch.zeros(h, k, device=scores.device).scatter_add_(1, idx, imp)
+    return torch.where(valid, imp / total.gather(1, idx).clamp_min(1e-12), torch.zeros_like(imp))

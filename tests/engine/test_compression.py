@@ -1,0 +1,154 @@
+"""Compression after prefill inside the real engine: identity cases, freed slots, no leaks."""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+
+import pytest
+import requests
+
+from sglang_unicache.testing.client import (
+    answer,
+    available_slots,
+    chat,
+    chat_all,
+    flush_cache,
+    internal_state,
+)
+from sglang_unicache.testing.images import data_url, image_chat, solid_png
+
+IMAGE_TOKENS = 64
+KEEP = 0.25
+KEPT = 16  # round(0.25 * 64)
+
+
+def two_image_chat(a: bytes, b: bytes, question: str, **params) -> dict:
+    body = image_chat(a, question, **params)
+    body["messages"][0]["content"].insert(1, {"type": "image_url",
+                                             "image_url": {"url": data_url(b)}})
+    return body
+
+
+def text_chat(question: str) -> dict:
+    return {"model": "default", "messages": [{"role": "user", "content": question}],
+            "temperature": 0, "max_tokens": 10}
+
+
+PALETTE = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30), (30, 200, 200),
+           (200, 30, 200), (120, 60, 10), (10, 60, 120), (90, 90, 90), (250, 250, 250)]
+
+
+def workload() -> list[dict]:
+    """One-image, two-image and text-only chats, sent together."""
+    pngs = [solid_png(c) for c in PALETTE[:4]]
+    return [
+        image_chat(pngs[0], "what colour is it?", max_tokens=10),
+        two_image_chat(pngs[1], pngs[2], "compare them", max_tokens=10),
+        text_chat("list three colours"),
+        image_chat(pngs[3], "describe the picture", max_tokens=10),
+        text_chat("what is a square?"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def nocheck_config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cfg") / "nocheck.yaml"
+    path.write_text("selfcheck: false\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def stock(server_factory):
+    return server_factory("--enable-cache-report")
+
+
+@pytest.fixture(scope="module")
+def compressing(server_factory, nocheck_config):
+    return server_factory("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio",
+                          str(KEEP), "--unicache-config", nocheck_config, "--enable-cache-report")
+
+
+@pytest.mark.parametrize("flags", [("--unicache-keep-ratio", "1.0"),
+                                   ("--unicache-method", "full")])
+def test_identity_settings_match_stock_tokens(server_factory, stock, flags):
+    server = server_factory("--unicache", *flags, "--enable-cache-report")
+    expected = [answer(o) for o in chat_all(stock, workload())]
+    got = [answer(o) for o in chat_all(server, workload())]
+    assert got == expected
+    assert internal_state(server)["unicache"]["images_compressed"] == 0
+
+
+def test_same_image_twice_is_cached_with_identity_method(server_factory):
+    server = server_factory("--unicache", "--unicache-method", "full", "--enable-cache-report")
+    png = solid_png((240, 200, 10))
+    chat(server, image_chat(png, "what colour is it?"))
+    again = chat(server, image_chat(png, "what colour is it?"))
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= IMAGE_TOKENS
+
+
+def test_compressed_request_holds_n_minus_k_fewer_slots(stock, compressing):
+    body = image_chat(solid_png((12, 34, 56)), "what colour is it?", max_tokens=6)
+    held = {}
+    for name, server in (("stock", stock), ("unicache", compressing)):
+        flush_cache(server)
+        before = available_slots(server)
+        out = chat(server, body)
+        held[name] = before - available_slots(server)  # the finished request's KV, now in the tree
+        assert out["usage"]["prompt_tokens"] > IMAGE_TOKENS  # usage counts the prompt as sent
+    assert held["stock"] - held["unicache"] == IMAGE_TOKENS - KEPT
+
+
+def test_batched_workload_compresses_every_image_and_leaks_nothing(compressing):
+    flush_cache(compressing)
+    baseline = available_slots(compressing)
+    before = internal_state(compressing)["unicache"]
+    outs = chat_all(compressing, workload())
+    assert all(o["usage"]["completion_tokens"] > 0 for o in outs)
+    after = internal_state(compressing)["unicache"]
+    assert after["images_compressed"] - before["images_compressed"] == 4
+    assert after["slots_freed"] - before["slots_freed"] == 4 * (IMAGE_TOKENS - KEPT)
+    flush_cache(compressing)
+    assert available_slots(compressing) == baseline
+
+
+def test_many_distinct_images_at_once(compressing):
+    flush_cache(compressing)
+    baseline = available_slots(compressing)
+    before = internal_state(compressing)["unicache"]["images_compressed"]
+    bodies = [image_chat(solid_png(c, size=224), "what colour is it?", max_tokens=8)
+              for c in PALETTE]
+    outs = chat_all(compressing, bodies, concurrency=len(bodies))
+    assert all(o["usage"]["completion_tokens"] == 8 for o in outs)
+    assert internal_state(compressing)["unicache"]["images_compressed"] - before == len(PALETTE)
+    flush_cache(compressing)
+    assert available_slots(compressing) == baseline
+
+
+def test_aborted_requests_leak_nothing(compressing):
+    flush_cache(compressing)
+    baseline = available_slots(compressing)
+    body = image_chat(solid_png((1, 2, 3)), "describe it", max_tokens=400, ignore_eos=True)
+
+    def cut_short():
+        try:
+            requests.post(f"{compressing.url}/v1/chat/completions", json=body, timeout=1.5)
+        except requests.Timeout:
+            return "aborted"
+        return "finished"
+
+    with futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: cut_short(), range(4)))
+    assert "aborted" in results
+    flush_cache(compressing, timeout=60)
+    assert available_slots(compressing) == baseline
+
+
+def test_self_check_failure_falls_back_to_full_kv(server_factory, stock, tmp_path_factory):
+    strict = tmp_path_factory.mktemp("cfg") / "strict.json"
+    strict.write_text('{"kl_threshold": 1e-12}')
+    server = server_factory("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio",
+                            "0.1", "--unicache-config", str(strict), "--enable-cache-report")
+    body = image_chat(solid_png((77, 99, 11)), "what colour is it?", max_tokens=10)
+    assert answer(chat(server, body)) == answer(chat(stock, body))
+    stats = internal_state(server)["unicache"]
+    assert stats["fallbacks"] >= 1 and stats["images_compressed"] == 0

@@ -1,0 +1,257 @@
+"""Per-mechanism behaviour: elite window, merging, quantization, self-check, head merging,
+redundancy, and what each baseline is supposed to keep."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sglang_unicache.compressor import Method, execute
+from sglang_unicache.config import UniCacheConfig
+from sglang_unicache.kernels.reference import merge_gather
+from sglang_unicache.policies.aircache import elite_importance, elite_window
+from sglang_unicache.policies.context import PlanContext
+from sglang_unicache.policies.signals import neighbour_redundancy
+from sglang_unicache.reducers.heads import apply_head_merge, plan_head_merge
+from sglang_unicache.reducers.merge import merge_weights
+from sglang_unicache.reducers.quantize import dequantize, quantize, quantized_nbytes
+from sglang_unicache.registry import BUDGETS, REDUCERS, build_method
+from sglang_unicache.types import ImageSpan, ScoreInputs
+
+from .conftest import make_inputs
+
+
+def _elite_inputs() -> ScoreInputs:
+    """10 image tokens, text at 10..15, window = positions 12..15; the last text query's logits on
+    text keys 10..15 are [5, 0, 3, 2.95, 0, 1] (scale 1, one head, D = 8)."""
+    t, d = 16, 8
+    k = torch.zeros(1, t, 1, d)
+    k[0, :10, 0, 1] = torch.linspace(0.0, 2.0, 10)  # image keys on axis 1
+    k[0, 10:, 0, 0] = torch.tensor([5.0, 0.0, 3.0, 2.95, 0.0, 1.0])
+    q = torch.zeros(1, 4, 1, d)
+    q[0, :, 0, 0] = 1.0
+    q[0, :, 0, 1] = torch.tensor([1.0, 2.0, 0.5, 0.0])
+    return ScoreInputs(k, k.clone(), [ImageSpan(0, 10)], obs_queries=q, scale=1.0)
+
+
+def test_elite_window_selection() -> None:
+    inp = _elite_inputs()
+    ctx = PlanContext(inp, UniCacheConfig(method="aircache"))
+    elite = elite_window(ctx, 0, 0.9)
+    # candidates 12..15 have logits 3, 2.95, 0, 1: exp(-0.05) = 0.95 >= 0.9 -> {12, 13}
+    assert ctx.obs_positions[elite[0]].tolist() == [12, 13]
+    iv = elite_importance(ctx, 0)[0]
+    keys, q = inp.keys[0][:, 0], inp.obs_queries[0][:, 0]
+    manual = torch.zeros(10)
+    for w, visible in ((0, [12]), (1, [12, 13])):  # elite queries at 12, 13; causal
+        cols = torch.tensor(list(range(10)) + visible)
+        manual += torch.softmax(q[w] @ keys[cols].T, dim=0)[:10] / 2
+    torch.testing.assert_close(iv[:10], manual)
+    assert float(iv[10:].abs().sum()) == 0.0
+
+
+def test_merge_weights_and_norm_restore() -> None:
+    scores = torch.tensor([[1.0, 0.0, 0.5]])
+    assign = torch.tensor([[0, 0, -1]], dtype=torch.int32)
+    w = merge_weights(scores, assign, 1)
+    torch.testing.assert_close(w, torch.tensor([[1.001 / 1.002, 0.001 / 1.002, 0.0]]))
+    x = torch.tensor([[[3.0, 0.0]], [[0.0, 1.0]], [[9.0, 9.0]]])  # [N=3, H=1, D=2]
+    weight = torch.tensor([[0.75, 0.25, 0.0]])
+    out = merge_gather(x, torch.tensor([[0]]), assign, weight)[0, 0]
+    mean = 0.75 * x[0, 0] + 0.25 * x[1, 0]
+    target = 0.75 * 3.0 + 0.25 * 1.0
+    torch.testing.assert_close(out, mean / mean.norm() * target)
+
+
+def test_merge_reducer_folds_near_duplicates_only() -> None:
+    inp = make_inputs(layers=1, tokens=60, spans=((0, 50),), kv_heads=1, group=1)
+    k, v = inp.keys[0].clone(), inp.values[0].clone()
+    k[20:30] = k[20]  # a run of duplicates: redundancy ~1
+    v[20:30] = v[20]
+    inp = ScoreInputs(k[None], v[None], inp.spans, obs_queries=inp.obs_queries)
+    plan = build_method(UniCacheConfig(keep_ratio=0.2)).plan(inp).spans[0]
+    lp = plan.layers[0]
+    kept = set(lp.kept[0].tolist())
+    merged = [i for i in range(50) if lp.assign[0, i] >= 0 and i not in kept]
+    assert merged, "duplicates should be folded, not dropped"
+    for i in merged:  # every folded token is similar to its entry
+        j = int(lp.kept[0, lp.assign[0, i]])
+        cos = torch.cosine_similarity(k[i, 0], k[j, 0], dim=0)
+        assert float(cos) >= 0.5
+    evict = build_method(UniCacheConfig(keep_ratio=0.2, reducer="evict")).plan(inp).spans[0]
+    assert evict.layers[0].num_merged == 0
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantization_error_bound(bits: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 3, 5, generator=g) * torch.tensor([0.01, 1.0, 100.0]).view(1, 3, 1)
+    qt = quantize(x, bits)
+    back = dequantize(qt)
+    qmax = 127 if bits == 8 else 7
+    scale = x.abs().amax(dim=(0, 2)) / qmax
+    err = (back - x).abs().amax(dim=(0, 2))
+    assert torch.all(err <= scale / 2 * (1 + 1e-5))  # per head: small heads keep precision
+    assert qt.nbytes == quantized_nbytes(7, 3, 5, bits)
+    assert qt.nbytes == (3 * 35 if bits == 8 else 3 * 18) + 12
+
+
+def _bad_scorer_method(cfg: UniCacheConfig) -> Method:
+    """A composition whose scorer ranks the *least* attended tokens first."""
+
+    class Worst:
+        name, needs_queries, query_dependent = "worst", True, True
+
+        def score(self, ctx, layer):  # noqa: ANN001, ANN201
+            return -ctx.received(layer)
+
+    return Method("worst", cfg, Worst(), BUDGETS["uniform"](cfg), REDUCERS["evict"](cfg))
+
+
+def test_selfcheck_trips_on_bad_plan() -> None:
+    inp = make_inputs(group=1)
+    q = torch.stack([inp.keys[li][[7, 7, 7, 63, 63, 63]] * 6.0 for li in range(3)])
+    inp = ScoreInputs(inp.keys, inp.values, inp.spans, obs_queries=q)  # queries -> tokens 7, 63
+    cfg = UniCacheConfig(keep_ratio=0.1, method="snapkv")
+    good = build_method(cfg).plan(inp)
+    bad = _bad_scorer_method(cfg).plan(inp)
+    assert bad.selfcheck.checked and not bad.selfcheck.passed and bad.fallback
+    assert bad.selfcheck.kl > cfg.kl_threshold > good.selfcheck.kl
+    full = build_method(cfg.replace(method="full")).plan(inp)
+    assert full.selfcheck.passed and not full.fallback
+
+
+def test_selfcheck_kl_is_minus_log_kept_mass_for_eviction() -> None:
+    inp = make_inputs(layers=1, group=1, window=1, spans=((0, 100),))
+    cfg = UniCacheConfig(method="knorm", keep_ratio=0.3, selfcheck_layers=1)
+    plan = build_method(cfg).plan(inp)
+    q, k = inp.obs_queries[0][0], inp.keys[0]  # [H, D], [T, H, D]
+    kl = 0.0
+    for h in range(k.shape[1]):
+        p = torch.softmax((k[:, h] @ q[h]) * inp.scale, dim=0)
+        kept = plan.spans[0].layers[0].kept[h]
+        kl -= math.log(float(p[kept].sum() + p[100:].sum()))
+    assert plan.selfcheck.kl == pytest.approx(kl / k.shape[1], rel=1e-4)
+
+
+def test_head_merging() -> None:
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(40, 3, 8, generator=g)
+    k[:, 1] = k[:, 0] * 2.0 + 0.01 * torch.randn(40, 8, generator=g)  # head 1 ~ head 0
+    v = k.clone()
+    head_map, weight = plan_head_merge(k, v, 0.88)
+    assert head_map.tolist() == [0, 0, 2]
+    assert float(weight[0] + weight[1]) == pytest.approx(1.0) and float(weight[2]) == 1.0
+    merged = apply_head_merge(k, head_map, weight)
+    torch.testing.assert_close(merged[:, 0], merged[:, 1])
+    assert torch.equal(merged[:, 2], k[:, 2])
+    torch.testing.assert_close(merged[:, 0], weight[0] * k[:, 0] + weight[1] * k[:, 1])
+
+
+def test_head_merge_plan_reports_savings_separately() -> None:
+    inp = make_inputs(kv_heads=3, group=1)
+    keys = torch.stack(inp.keys)
+    keys[:, :, 1] = keys[:, :, 0]
+    vals = torch.stack(inp.values)
+    vals[:, :, 1] = vals[:, :, 0]
+    inp = ScoreInputs(keys, vals, inp.spans, obs_queries=inp.obs_queries)
+    plan = build_method(UniCacheConfig(head_merge=True)).plan(inp).spans[0]
+    lp = plan.layers[0]
+    assert lp.head_map.tolist() == [0, 0, 2]
+    assert torch.equal(lp.kept[0], lp.kept[1])  # one selection per head cluster
+    assert plan.bytes.head_merged == plan.bytes.nominal * 2 // 3  # 2 clusters of 3 heads
+    out = execute(plan, inp.keys, inp.values)
+    assert torch.equal(out.keys[0][:, 0], out.keys[0][:, 1])
+
+
+def test_redundancy_window() -> None:
+    x = torch.ones(6, 1, 4)
+    run = torch.tensor([0, 0, 0, 1, 1, 1])
+    d = neighbour_redundancy(x, x, run, 2)
+    torch.testing.assert_close(d, torch.ones(1, 6))
+    y = torch.eye(4).reshape(4, 1, 4)
+    d = neighbour_redundancy(y, y, torch.zeros(4, dtype=torch.long), 1)
+    torch.testing.assert_close(d, torch.zeros(1, 4))
+
+
+def _kept(method: str, inp: ScoreInputs, **kw) -> list[set[int]]:
+    plan = build_method(UniCacheConfig(method=method, **kw)).plan(inp)
+    return [set(p.layers[-1].kept[0].tolist()) for p in plan.spans]
+
+
+def test_snapkv_and_aircache_keep_the_attended_token() -> None:
+    inp = make_inputs()
+    for method in ("snapkv", "pyramidkv", "aircache", "unicache"):
+        kept = _kept(method, inp, keep_ratio=0.1)
+        assert 3 in kept[0] and 3 in kept[1], method  # planted token a+3 of each span
+
+
+def test_knorm_keeps_lowest_norm_and_h2o_keeps_recent() -> None:
+    inp = make_inputs(layers=1)
+    norms = inp.keys[0][4:54, 0].float().norm(dim=-1)
+    assert _kept("knorm", inp, keep_ratio=0.1)[0] == set(torch.argsort(norms)[:5].tolist())
+    h2o = _kept("h2o", inp, keep_ratio=0.2)[0]  # K = 10, half recent: the last 5 of the span
+    assert {45, 46, 47, 48, 49} <= h2o
+
+
+def test_random_is_seeded() -> None:
+    inp = make_inputs()
+    assert _kept("random", inp, keep_ratio=0.1) == _kept("random", inp, keep_ratio=0.1)
+    assert _kept("random", inp, keep_ratio=0.1) != _kept("random", inp, keep_ratio=0.1, seed=5)
+
+
+def test_query_weight_zero_makes_selection_question_free() -> None:
+    a = make_inputs(seed=0)
+    b = ScoreInputs(a.keys, a.values, a.spans, obs_queries=make_inputs(seed=9).obs_queries)
+    free = {"keep_ratio": 0.1, "query_weight": 0.0, "protect_alignment": False}
+    assert _kept("unicache", a, **free) == _kept("unicache", b, **free)
+    dep = {"keep_ratio": 0.1, "query_weight": 1.0}
+    assert _kept("unicache", a, **dep) != _kept("unicache", b, **dep)
+
+
+def test_layer_fill_next_uses_every_physical_slot() -> None:
+    inp = make_inputs()
+    plan = build_method(UniCacheConfig(layer_fill="next")).plan(inp).spans[0]
+    assert all(lp.num_kept == plan.physical_slots for lp in plan.layers)
+    assert len({lp.budget for lp in plan.layers}) > 1
+    assert plan.bytes.nominal == plan.bytes.physical
+
+
+def test_compress_text_gives_text_segments_modality_budgets() -> None:
+    inp = make_inputs()
+    plan = build_method(UniCacheConfig(compress_text=True, keep_ratio=0.5)).plan(inp)
+    text = [p for p in plan.spans if p.span.modality == "text"]
+    assert text and len(plan.image_plans()) == 2
+    for p in text:  # text rate capped at 0.4 -> keep >= 60% of each text run
+        assert sum(lp.num_kept for lp in p.layers) >= 0.6 * p.span.length * 3 - 3
+
+
+def test_short_spans_are_skipped_and_methods_declare_capabilities() -> None:
+    inp = make_inputs(spans=((4, 10), (60, 108)))
+    plan = build_method(UniCacheConfig()).plan(inp)
+    assert plan.spans[0].skipped and plan.spans[0].layer_counts == [6, 6, 6]
+    assert build_method("snapkv").needs_queries and not build_method("knorm").needs_queries
+    assert not build_method("random").query_dependent and build_method("aircache").query_dependent
+    no_q = ScoreInputs(inp.keys, inp.values, inp.spans)
+    with pytest.raises(ValueError, match="observation queries"):
+        build_method("snapkv").plan(no_q)
+    assert build_method("unicache").plan(no_q).spans[1].layer_counts  # question-free fallback
+
+
+def test_grid_redundancy_uses_vertical_neighbours() -> None:
+    from sglang_unicache.policies.signals import grid_redundancy
+
+    # 2 x 3 grid, columns identical top to bottom, columns mutually orthogonal
+    col = torch.eye(3).reshape(1, 3, 1, 3).expand(2, 3, 1, 3).reshape(6, 1, 3)
+    d = grid_redundancy(col, col, cols=3, k=1)
+    # each token: 1 vertical neighbour (cos 1) and 1-2 horizontal ones (cos 0)
+    torch.testing.assert_close(d[0], torch.tensor([0.5, 1 / 3, 0.5, 0.5, 1 / 3, 0.5]))
+    inp = make_inputs()
+    spans = [ImageSpan(s.start, s.end, grid=(5, 10)) for s in inp.spans[:1]] + [inp.spans[1]]
+    gridded = ScoreInputs(inp.keys, inp.values, spans, obs_queries=inp.obs_queries)
+    ctx = PlanContext(gridded, UniCacheConfig())
+    sl = slice(spans[0].start, spans[0].end)
+    want = grid_redundancy(inp.keys[0][sl], inp.values[0][sl], 10, 4)
+    torch.testing.assert_close(ctx.redundancy(0)[:, sl], want)
