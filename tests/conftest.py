@@ -34,12 +34,14 @@ def server_factory(tiny_model):
 
     servers = {}
 
-    def get(*args: str):
-        key = tuple(args)
+    def get(*args: str, env: dict[str, str] | None = None):
+        key = (tuple(args), tuple(sorted((env or {}).items())))
         if key not in servers:
             flags = "_".join(Path(a).name if "/" in a else a.lstrip("-") for a in args)
             name = "server-" + (flags or "stock")[:100]
-            servers[key] = start_server(tiny_model, list(args), LOG_DIR / f"{name}.log")
+            if env:
+                name += "_" + "_".join(f"{k}={v}" for k, v in sorted(env.items()))
+            servers[key] = start_server(tiny_model, list(args), LOG_DIR / f"{name}.log", env=env)
         return servers[key]
 
     yield get

@@ -3,7 +3,7 @@
 ``write_compressed`` writes, for every layer, ``keys[l][j]`` (``[H, D]``) into
 ``k_buffers[l][slots[j]]`` and the same for values. CUDA tensors take the Triton kernel
 (``scatter_rows_triton``); other devices take ``scatter_rows_reference``, the oracle the kernel is
-tested against under ``TRITON_INTERPRET=1``. Both cast to the pool's dtype.
+tested against under ``TRITON_INTERPRET=1``. Both cast to the pool's dtype with torch.
 """
 
 from __future__ import annotations
@@ -36,10 +36,12 @@ try:
         offs = block * BLOCK + tl.arange(0, BLOCK)
         mask = offs < row_elems
         vals = tl.load(src_ptr + j.to(tl.int64) * row_elems + offs, mask=mask)
-        tl.store(dst_ptr + slot * row_elems + offs, vals.to(dst_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst_ptr + slot * row_elems + offs, vals, mask=mask)
 
     def scatter_rows_triton(dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
         """Triton version of ``scatter_rows_reference`` (same semantics)."""
+        # Cast with torch, as the reference does, so both round the same way; the kernel copies.
+        src = src.to(dst.dtype).contiguous()
         _check(dst, slots, src)
         if slots.numel() == 0:
             return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures as futures
+import re
 
 import pytest
 import requests
@@ -152,3 +153,36 @@ def test_self_check_failure_falls_back_to_full_kv(server_factory, stock, tmp_pat
     assert answer(chat(server, body)) == answer(chat(stock, body))
     stats = internal_state(server)["unicache"]
     assert stats["fallbacks"] >= 1 and stats["images_compressed"] == 0
+
+
+def test_image_split_across_prefill_chunks_keeps_full_kv(server_factory, nocheck_config):
+    server = server_factory("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio",
+                            str(KEEP), "--unicache-config", nocheck_config,
+                            "--chunked-prefill-size", "32")
+    flush_cache(server)
+    baseline = available_slots(server)
+    out = chat(server, image_chat(solid_png((5, 150, 90)), "what colour is it?", max_tokens=8))
+    assert out["usage"]["completion_tokens"] == 8
+    stats = internal_state(server)["unicache"]
+    assert stats["skipped_cached"] >= 1 and stats["images_compressed"] == 0
+    flush_cache(server)
+    assert available_slots(server) == baseline
+
+
+def test_retracted_requests_are_recompressed_and_leak_nothing(server_factory, nocheck_config):
+    # SGLang's test switch retracts running requests every few steps.
+    server = server_factory("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio",
+                            str(KEEP), "--unicache-config", nocheck_config,
+                            env={"SGLANG_TEST_RETRACT": "1"})
+    flush_cache(server)
+    baseline = available_slots(server)
+    bodies = [image_chat(solid_png(c), "describe it", max_tokens=30, ignore_eos=True)
+              for c in PALETTE[:4]]
+    outs = chat_all(server, bodies, concurrency=4)
+    assert all(o["usage"]["completion_tokens"] == 30 for o in outs)
+    retracted = [int(n) for n in re.findall(r"#retracted_reqs: (\d+)", server.log())]
+    assert sum(retracted) > 0, "the workload did not retract any request"
+    stats = internal_state(server)["unicache"]
+    assert stats["images_compressed"] > len(bodies)  # retracted ones were compressed again
+    flush_cache(server)
+    assert available_slots(server) == baseline

@@ -1,0 +1,66 @@
+"""An independent reference for compressed decoding: transformers' Qwen2-VL with a pruned cache.
+
+Given a prompt (one image + a question) and, per layer, the span-relative entries each KV head
+keeps, it prefills with transformers, replaces the image span of every layer's cache with exactly
+those entries, and decodes greedily with every new token at its original M-RoPE position. SGLang
+serving the same checkpoint with the same kept set must produce the same tokens.
+"""
+
+from __future__ import annotations
+
+import io
+
+import torch
+
+
+def load(model_dir, dtype=torch.float32):
+    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+
+    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
+    return model, AutoProcessor.from_pretrained(model_dir)
+
+
+def prompt_inputs(processor, png: bytes, question: str):
+    from PIL import Image
+
+    messages = [{"role": "user", "content": [{"type": "image"},
+                                             {"type": "text", "text": question}]}]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    image = Image.open(io.BytesIO(png)).convert("RGB")
+    return processor(text=[text], images=[image], return_tensors="pt")
+
+
+def image_span(inputs, image_token_id: int) -> tuple[int, int]:
+    where = torch.nonzero(inputs["input_ids"][0] == image_token_id).flatten()
+    return int(where[0]), int(where[-1]) + 1
+
+
+def _prune(cache, start: int, end: int, kept: list[torch.Tensor]) -> None:
+    """Keep, per layer and head, text + the chosen span entries (kept[l]: [H, K] span-relative)."""
+    for layer, entries in zip(cache.layers, kept, strict=True):
+        for name in ("keys", "values"):
+            full = getattr(layer, name)  # [1, H, T, D]
+            span = full[:, :, start:end]
+            index = entries.to(torch.int64)[None, :, :, None].expand(1, -1, -1, full.shape[-1])
+            chosen = torch.gather(span, 2, index)
+            setattr(layer, name, torch.cat([full[:, :, :start], chosen, full[:, :, end:]], dim=2))
+
+
+@torch.no_grad()
+def greedy_with_pruned_cache(model, inputs, span: tuple[int, int], kept: list[torch.Tensor] | None,
+                             max_new_tokens: int) -> list[int]:
+    """Greedy tokens; ``kept=None`` decodes on the full cache."""
+    out = model(**inputs, use_cache=True)
+    cache, length = out.past_key_values, inputs["input_ids"].shape[1]
+    deltas = model.model.rope_deltas  # [1, 1]: M-RoPE position of token t is t + delta
+    if kept is not None:
+        _prune(cache, *span, kept)
+    tokens = [int(out.logits[0, -1].argmax())]
+    for step in range(max_new_tokens - 1):
+        position = (length + step + deltas).view(1, 1, 1).expand(3, 1, 1)
+        out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache,
+                    position_ids=position, use_cache=True,
+                    cache_position=torch.tensor([cache.get_seq_length()]))
+        cache = out.past_key_values
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
