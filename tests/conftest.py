@@ -63,3 +63,27 @@ def engine(tiny_model):
                         log_level="error")
     yield eng
     eng.shutdown()
+
+
+KEEP = 0.25
+KEPT = 16  # round(KEEP * 64): entries kept of a 64-token image
+
+
+@pytest.fixture(scope="session")
+def nocheck_config(tmp_path_factory) -> str:
+    """A policy config without the KL self-check (it trips on a random model's attention)."""
+    path = tmp_path_factory.mktemp("cfg") / "nocheck.yaml"
+    path.write_text("selfcheck: false\n")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def stock(server_factory):
+    return server_factory("--enable-cache-report")
+
+
+@pytest.fixture(scope="session")
+def compressing(server_factory, nocheck_config):
+    """key-norm at 25%: query-independent, so the spans it compresses are shared."""
+    return server_factory("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio",
+                          str(KEEP), "--unicache-config", nocheck_config, "--enable-cache-report")

@@ -41,7 +41,6 @@ class Compaction:
     """The new row of a request and the slots it gave back."""
 
     row: torch.Tensor  # [L - D] int32 new row prefix
-    keep: torch.Tensor  # [L] bool, prompt positions that still have an entry
     freed: torch.Tensor  # [D] int64 slots returned to the allocator
 
     @property
@@ -63,4 +62,4 @@ def compact_row(row: torch.Tensor, spans: list[SpanResult], k_buffers, v_buffers
         slots = row[span.start:span.start + span.kept].to(torch.int64)
         write_compressed(k_buffers, v_buffers, slots, span.keys, span.values)
         keep[span.start + span.kept:span.end] = False
-    return Compaction(row=row[keep], keep=keep, freed=row[~keep].to(torch.int64))
+    return Compaction(row=row[keep], freed=row[~keep].to(torch.int64))

@@ -25,6 +25,10 @@ HOOKS = (
     ("sglang.srt.mem_cache.common.release_kv_cache", "after_release_kv_cache", "AFTER"),
     ("sglang.srt.managers.schedule_batch.Req.reset_for_retract", "after_reset_for_retract",
      "AFTER"),
+    ("sglang.srt.managers.schedule_batch.Req.init_next_round_input",
+     "around_init_next_round_input", "AROUND"),
+    ("sglang.srt.models.qwen2_vl.Qwen2VLForConditionalGeneration.get_image_feature",
+     "after_get_image_feature", "AFTER"),
     ("sglang.srt.managers.scheduler_components.output_streamer._GenerationStreamAccumulator."
      "accept", "around_stream_accept", "AROUND"),
     ("sglang.srt.managers.scheduler_components.internal_state."

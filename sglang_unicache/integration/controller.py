@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +27,7 @@ import torch
 from sglang_unicache.config import UniCacheConfig
 from sglang_unicache.integration.capture import CaptureTarget, QueryCapture
 from sglang_unicache.integration.compaction import SpanResult, compact_row, gather_prompt_kv
-from sglang_unicache.integration.positions import MropeBackup, restore_mrope, shift_mrope
+from sglang_unicache.integration.rewrite import Rewrite, SpanRewrite, restore, rewrite
 from sglang_unicache.registry import build_method
 from sglang_unicache.types import ImageSpan, ScoreInputs
 
@@ -45,6 +44,8 @@ class Stats:
     slots_freed: int = 0
     fallbacks: int = 0
     skipped_cached: int = 0
+    spans_reused: int = 0
+    vision_encoder_calls: int = 0  # Qwen2-VL image encoder batches run (tests read it)
 
     def to_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -59,10 +60,10 @@ class Pending:
 
 @dataclass
 class Record:
-    """What a compression changed on a request, to undo it on retraction."""
+    """A request whose ids carry compressed spans: it compressed them itself, or reuses them."""
 
-    origin_input_ids: array
-    mrope: MropeBackup | None
+    rewrite: Rewrite
+    reused: bool
 
 
 @dataclass
@@ -75,6 +76,9 @@ class Controller:
     pending: dict[str, Pending] = field(default_factory=dict)
     records: dict[str, Record] = field(default_factory=dict)
     capture: QueryCapture | None = None
+    # (image pad id, span start, span length) -> entries kept, for spans compressed so far: what
+    # a later request needs to build the ids it looks up in the tree.
+    known_spans: dict[tuple[int, int, int], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # A slot spans every layer, so every layer keeps the same number of entries: layers whose
@@ -173,39 +177,28 @@ class Controller:
         removed = compaction.removed
         self.req_to_token[row_index, :length - removed] = compaction.row
         self.allocator.free(compaction.freed)
-        self._rewrite_request(req, pending, results, compaction.keep, removed)
+        self._rewrite_request(req, pending, results, removed)
         self.stats.images_compressed += len(results)
         self.stats.requests_compressed += 1
         self.stats.slots_freed += removed
         logger.debug("sglang-unicache: %s compressed %d image(s), %d -> %d slots", req.rid,
                      len(results), length, length - removed)
 
-    def compressed_ids(self, req, pad_id: int, start: int, count: int) -> list[int]:
-        """Token ids of a compressed span: one per kept entry, keyed like the radix tree needs.
-
-        Same image + same config -> same ids (so the tree can share the span); a query-dependent
-        method's selection belongs to its request, so its ids also carry the request id.
-        """
-        owner = req.rid if self.method.query_dependent else ""
-        key = f"{pad_id}:{start}:{self.config_digest}:{owner}".encode()
+    def compressed_ids(self, pad_id: int, start: int, count: int) -> tuple[int, ...]:
+        """Token ids of a compressed span: one per kept entry, the same for the same image at the
+        same position under the same config, so the radix tree can share the span."""
+        key = f"{pad_id}:{start}:{self.config_digest}".encode()
         base = int(hashlib.sha256(key).hexdigest()[:12], 16) % COMPRESSED_ID_RANGE
-        return list(range(COMPRESSED_ID_BASE + base, COMPRESSED_ID_BASE + base + count))
+        return tuple(range(COMPRESSED_ID_BASE + base, COMPRESSED_ID_BASE + base + count))
 
     def _rewrite_request(self, req, pending: Pending, results: list[SpanResult],
-                         keep: torch.Tensor, removed: int) -> None:
-        ids = req.origin_input_ids
+                         removed: int) -> None:
         pads = {start: pad for start, _, pad in pending.spans}
-        pieces, cursor = [], 0
-        for span in results:
-            pieces += ids[cursor:span.start]
-            pieces += self.compressed_ids(req, pads[span.start], span.start, span.kept)
-            cursor = span.end
-        pieces += ids[cursor:]
-        mm = req.multimodal_inputs
-        self.records[req.rid] = Record(ids, shift_mrope(mm, keep, removed) if mm else None)
-        req.origin_input_ids = array("q", pieces)
-        req.full_untruncated_fill_ids = req.origin_input_ids + array("q", req.output_ids)
-        req.unicache_removed = removed  # usage reports the prompt's real length
+        spans = [SpanRewrite(r.start, r.end, self.compressed_ids(pads[r.start], r.start, r.kept))
+                 for r in results]
+        for span, result in zip(spans, results, strict=True):
+            self.known_spans[(pads[span.start], span.start, span.end - span.start)] = result.kept
+        self.records[req.rid] = Record(rewrite(req, spans), reused=False)
         req.extend_end -= removed
         req.kv.kv_committed_len -= removed
         req.kv.kv_allocated_len -= removed
@@ -219,16 +212,46 @@ class Controller:
         if getattr(batch, "seq_lens_sum", None) is not None:
             batch.seq_lens_sum -= removed
 
+    # -- reuse: match a waiting request against compressed spans in the tree ---------------------
+    def match_with_reuse(self, match, req) -> None:
+        """Run SGLang's prefix match (``match()``) with the request's known images rewritten to
+        their compressed ids; keep the rewrite for the spans the tree fully holds, undo the rest.
+
+        Waiting requests are matched again every round, so this starts from the original ids
+        each time (idempotent) and leaves either a consistent rewrite or the original request.
+        """
+        record = self.records.pop(req.rid, None)
+        if record is not None:
+            restore(req, record.rewrite)
+        if not self.active or req.kv.holds_kv or req.is_retracted:
+            match()  # a retracted request is prefilled again from its own tokens
+            return
+        candidates = []
+        for start, end, pad in self.image_spans(req):
+            kept = self.known_spans.get((pad, start, end - start))
+            if kept is not None:
+                candidates.append(SpanRewrite(start, end, self.compressed_ids(pad, start, kept)))
+        while candidates:
+            record = Record(rewrite(req, candidates), reused=True)
+            match()
+            removed_before, covered = 0, []
+            for span in candidates:
+                if req.prefix_len >= span.start - removed_before + len(span.ids):
+                    covered.append(span)
+                removed_before += span.removed
+            if covered == candidates:
+                self.records[req.rid] = record
+                self.stats.spans_reused += len(covered)
+                return
+            restore(req, record.rewrite)
+            candidates = covered  # a prefix of the candidates: the tree matched that far
+        match()
+
     # -- 5. undo --------------------------------------------------------------------------------
     def on_retract(self, req) -> None:
         record = self.records.pop(req.rid, None)
-        if record is None:
-            return
-        req.origin_input_ids = record.origin_input_ids
-        req.unicache_removed = 0
-        req.full_untruncated_fill_ids = req.origin_input_ids + array("q", req.output_ids)
-        if record.mrope is not None and req.multimodal_inputs is not None:
-            restore_mrope(req.multimodal_inputs, record.mrope)
+        if record is not None:
+            restore(req, record.rewrite)
 
     def on_release(self, req) -> None:
         self.records.pop(req.rid, None)

@@ -98,6 +98,20 @@ def around_checkpoint_kv_cache(original: Any, req: Any, tree_cache: Any, *args: 
     return original(req, tree_cache, *args, **kwargs)
 
 
+def around_init_next_round_input(original: Any, req: Any, tree_cache: Any = None,
+                                 *args: Any, **kwargs: Any) -> Any:
+    if _controller is None or tree_cache is None:
+        return original(req, tree_cache, *args, **kwargs)
+    _controller.match_with_reuse(lambda: original(req, tree_cache, *args, **kwargs), req)
+    return None
+
+
+def after_get_image_feature(result: Any, *args: Any, **kwargs: Any) -> Any:
+    if _controller is not None:
+        _controller.stats.vision_encoder_calls += 1
+    return result
+
+
 def after_release_kv_cache(result: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
     if _controller is not None and req.finished():
         _controller.on_release(req)

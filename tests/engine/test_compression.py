@@ -17,10 +17,9 @@ from sglang_unicache.testing.client import (
     internal_state,
 )
 from sglang_unicache.testing.images import data_url, image_chat, solid_png
+from tests.conftest import KEEP, KEPT
 
 IMAGE_TOKENS = 64
-KEEP = 0.25
-KEPT = 16  # round(0.25 * 64)
 
 
 def two_image_chat(a: bytes, b: bytes, question: str, **params) -> dict:
@@ -49,24 +48,6 @@ def workload() -> list[dict]:
         image_chat(pngs[3], "describe the picture", max_tokens=10),
         text_chat("what is a square?"),
     ]
-
-
-@pytest.fixture(scope="module")
-def nocheck_config(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cfg") / "nocheck.yaml"
-    path.write_text("selfcheck: false\n")
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def stock(server_factory):
-    return server_factory("--enable-cache-report")
-
-
-@pytest.fixture(scope="module")
-def compressing(server_factory, nocheck_config):
-    return server_factory("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio",
-                          str(KEEP), "--unicache-config", nocheck_config, "--enable-cache-report")
 
 
 @pytest.mark.parametrize("flags", [("--unicache-keep-ratio", "1.0"),

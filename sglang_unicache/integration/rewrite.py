@@ -1,0 +1,96 @@
+"""Rewriting a request's token ids so compressed image spans key the radix tree.
+
+A compressed span of N image tokens kept as K entries becomes K token ids derived from the image
+(its pad id), its position and the policy config (``Controller.compressed_ids``): one id per
+slot, so the radix invariant "one KV slot per key token" holds and a later request with the same
+image and the same config can match the span. Everything that describes the prompt moves with
+the ids: the multimodal items' offsets (so a fully cached image is not encoded again), the
+M-RoPE positions and delta (so later tokens keep their logical positions, ``positions.py``), and
+the reported prompt length. ``restore`` undoes it exactly (retraction, failed reuse match).
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+import torch
+
+from sglang_unicache.integration.positions import MropeBackup, restore_mrope, shift_mrope
+
+
+@dataclass(frozen=True)
+class SpanRewrite:
+    start: int  # original position of the span's first token
+    end: int  # original position past its last token
+    ids: tuple[int, ...]  # the K ids that replace it
+
+    @property
+    def removed(self) -> int:
+        return self.end - self.start - len(self.ids)
+
+
+@dataclass
+class Rewrite:
+    """What ``rewrite`` changed on a request."""
+
+    spans: tuple[SpanRewrite, ...]
+    origin_input_ids: array
+    offsets: list
+    mrope: MropeBackup | None
+
+    @property
+    def removed(self) -> int:
+        return sum(span.removed for span in self.spans)
+
+
+def _new_position(position: int, spans: tuple[SpanRewrite, ...]) -> int:
+    return position - sum(s.removed for s in spans if s.end <= position)
+
+
+def _remap_offsets(offsets, spans: tuple[SpanRewrite, ...]):
+    by_start = {s.start: s for s in spans}
+    out = []
+    for start, end in offsets:
+        span = by_start.get(start)
+        new_start = _new_position(start, spans)
+        if span is not None:
+            out.append((new_start, new_start + len(span.ids) - 1))
+        else:
+            out.append((new_start, _new_position(end + 1, spans) - 1))
+    return out
+
+
+def rewrite(req, spans: list[SpanRewrite]) -> Rewrite:
+    """Replace each span's ids by its compressed ids; returns how to undo it."""
+    spans = tuple(sorted(spans, key=lambda s: s.start))
+    ids = req.origin_input_ids
+    pieces, cursor = [], 0
+    keep = torch.ones(len(ids), dtype=torch.bool)
+    for span in spans:
+        pieces += ids[cursor:span.start]
+        pieces += span.ids
+        keep[span.start + len(span.ids):span.end] = False
+        cursor = span.end
+    pieces += ids[cursor:]
+    mm = req.multimodal_inputs
+    record = Rewrite(spans, ids, [list(item.offsets or []) for item in mm.mm_items],
+                     shift_mrope(mm, keep, int((~keep).sum())))
+    for item in mm.mm_items:
+        if item.offsets:
+            item.offsets = _remap_offsets(item.offsets, spans)
+    req.origin_input_ids = array("q", pieces)
+    req.full_untruncated_fill_ids = req.origin_input_ids + array("q", req.output_ids)
+    req.unicache_removed = record.removed  # usage reports the prompt's real length
+    return record
+
+
+def restore(req, record: Rewrite) -> None:
+    mm = req.multimodal_inputs
+    for item, offsets in zip(mm.mm_items, record.offsets, strict=True):
+        if item.offsets:
+            item.offsets = offsets
+    restore_mrope(mm, record.mrope)
+    req.origin_input_ids = record.origin_input_ids
+    req.full_untruncated_fill_ids = req.origin_input_ids + array("q", req.output_ids)
+    req.unicache_removed = 0

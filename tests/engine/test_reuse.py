@@ -1,0 +1,77 @@
+"""Compressed image spans shared through the radix tree: reuse, multi-turn, tenancy."""
+
+from __future__ import annotations
+
+from sglang_unicache.testing.client import available_slots, chat, flush_cache, internal_state
+from sglang_unicache.testing.images import image_chat, solid_png
+from tests.conftest import KEPT
+
+IMAGE_TOKENS = 64
+TEXT_BEFORE_IMAGE = 4  # "<|im_start|>user\n<|vision_start|>"
+
+
+def stats(server) -> dict:
+    return internal_state(server)["unicache"]
+
+
+def test_same_image_different_question_reuses_the_compressed_span(compressing):
+    flush_cache(compressing)
+    png = solid_png((201, 17, 99))
+    chat(compressing, image_chat(png, "what colour is it?"))
+    before, free_before = stats(compressing), available_slots(compressing)
+    second = chat(compressing, image_chat(png, "where is the square?", max_tokens=4))
+    after = stats(compressing)
+    assert after["spans_reused"] == before["spans_reused"] + 1
+    assert after["vision_encoder_calls"] == before["vision_encoder_calls"], "image encoded again"
+    assert after["images_compressed"] == before["images_compressed"]
+    usage = second["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= TEXT_BEFORE_IMAGE + KEPT
+    # Only the new question and answer took slots; the image's K entries were already there.
+    new_slots = free_before - available_slots(compressing)
+    assert new_slots <= usage["prompt_tokens"] - IMAGE_TOKENS + usage["completion_tokens"]
+
+
+def test_three_turn_conversation_reuses_image_and_earlier_turns(compressing):
+    flush_cache(compressing)
+    png = solid_png((33, 144, 240))
+    body = image_chat(png, "what colour is it?", max_tokens=6)
+    messages = body["messages"]
+    cached = []
+    for question in ("is there a square?", "describe it"):
+        out = chat(compressing, {**body, "messages": messages})
+        cached.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+        messages = messages + [{"role": "assistant", "content": out["choices"][0]["message"]
+                                ["content"]}, {"role": "user", "content": question}]
+    out = chat(compressing, {**body, "messages": messages})
+    cached.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+    turn1_prompt = TEXT_BEFORE_IMAGE + KEPT + 1 + len("what colour is it?")  # bytes ~ tokens
+    assert cached[0] < TEXT_BEFORE_IMAGE + KEPT  # first turn: nothing of the image cached
+    assert cached[1] >= TEXT_BEFORE_IMAGE + KEPT + 1  # the image (K entries) and its end marker
+    assert cached[2] > cached[1], "turn 3 did not reuse turn 2's text"
+    assert cached[1] <= turn1_prompt + 20
+
+
+def test_a_span_is_never_served_across_cache_salts(compressing):
+    flush_cache(compressing)
+    png = solid_png((5, 5, 250))
+    chat(compressing, image_chat(png, "what colour is it?", cache_salt="tenant-a"))
+    before = stats(compressing)
+    other = chat(compressing, image_chat(png, "what colour is it?", cache_salt="tenant-b"))
+    after = stats(compressing)
+    assert after["spans_reused"] == before["spans_reused"]
+    assert after["images_compressed"] == before["images_compressed"] + 1
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] < TEXT_BEFORE_IMAGE + KEPT
+    same = chat(compressing, image_chat(png, "describe it", cache_salt="tenant-a"))
+    assert stats(compressing)["spans_reused"] == after["spans_reused"] + 1
+    assert same["usage"]["prompt_tokens_details"]["cached_tokens"] >= TEXT_BEFORE_IMAGE + KEPT
+
+
+def test_reuse_churn_leaks_nothing(compressing):
+    flush_cache(compressing)
+    baseline = available_slots(compressing)
+    for i in range(6):
+        png = solid_png((40 * i, 255 - 40 * i, 90))
+        for question in ("what colour is it?", "describe it"):
+            chat(compressing, image_chat(png, question, max_tokens=4))
+    flush_cache(compressing)
+    assert available_slots(compressing) == baseline
