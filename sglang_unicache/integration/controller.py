@@ -2,8 +2,10 @@
 
 Life of a request with an image (non-overlap scheduler):
 1. ``begin_forward`` (before an extend batch runs): a request whose prompt ends in this extend
-   and whose image spans (>= ``min_image_tokens``) are all computed in it becomes a target; its
-   last W prompt positions are marked for query capture (``capture.py``).
+   and whose image spans (>= ``min_image_tokens``) are all its own (none came from the tree)
+   becomes a target; its last W prompt positions are marked for query capture (``capture.py``).
+   With chunked prefill, the middle chunks of such a request are kept out of the tree
+   (``defer_chunk_checkpoint``), so the whole prompt is compressed at its last chunk.
 2. The forward runs; the attention hook gathers the targets' observation queries per layer.
 3. ``on_checkpoint`` (the request survived prefill and is about to enter the radix tree): gather
    the prompt's K/V from the pool, run the policy, write the compressed entries, compact the row,
@@ -20,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +38,7 @@ logger = logging.getLogger("sglang_unicache")
 
 COMPRESSED_ID_BASE = 1_500_000_000  # above SGLang's image pad ids, below 2**31
 COMPRESSED_ID_RANGE = 400_000_000
+MAX_KNOWN_SPANS = 1 << 16  # spans remembered for reuse (oldest forgotten first)
 
 
 @dataclass
@@ -78,7 +82,7 @@ class Controller:
     capture: QueryCapture | None = None
     # (image pad id, span start, span length) -> entries kept, for spans compressed so far: what
     # a later request needs to build the ids it looks up in the tree.
-    known_spans: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    known_spans: OrderedDict[tuple[int, int, int], int] = field(default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
         # A slot spans every layer, so every layer keeps the same number of entries: layers whose
@@ -116,9 +120,9 @@ class Controller:
                 continue
             if req.extend_end != len(req.full_untruncated_fill_ids):
                 continue  # a middle chunk: compress when the prompt is complete
-            if any(start < req.prefix_len for start, _, _ in spans):
-                # Part of an image came from the tree or an earlier chunk: those slots are
-                # shared, so this request keeps its full KV.
+            if any(start < req.kv.cache_protected_len for start, _, _ in spans):
+                # Part of an image came from the tree: those slots are shared, so this request
+                # keeps its full KV.
                 self.stats.skipped_cached += 1
                 continue
             w = min(self.config.observation_window, extend_len)
@@ -131,6 +135,14 @@ class Controller:
         self.capture = QueryCapture.for_targets(targets, device=batch.seq_lens.device)
         self.pending = {t.rid: Pending(batch, t, spans_of[t.rid]) for t in targets}
         return self.capture
+
+    def defer_chunk_checkpoint(self, req) -> bool:
+        """True for a middle prefill chunk of a request with images to compress: its KV stays
+        the request's own (not inserted into the tree) until the last chunk is compressed."""
+        return (self.active and req.rid not in self.records
+                and req.extend_end < len(req.full_untruncated_fill_ids)
+                and any(start >= req.kv.cache_protected_len
+                        for start, _, _ in self.image_spans(req)))
 
     # -- 3. compress ----------------------------------------------------------------------------
     def on_checkpoint(self, req) -> None:
@@ -198,6 +210,8 @@ class Controller:
                  for r in results]
         for span, result in zip(spans, results, strict=True):
             self.known_spans[(pads[span.start], span.start, span.end - span.start)] = result.kept
+        while len(self.known_spans) > MAX_KNOWN_SPANS:
+            self.known_spans.popitem(last=False)
         self.records[req.rid] = Record(rewrite(req, spans), reused=False)
         req.extend_end -= removed
         req.kv.kv_committed_len -= removed

@@ -94,6 +94,10 @@ def around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kw
 def around_checkpoint_kv_cache(original: Any, req: Any, tree_cache: Any, *args: Any,
                                **kwargs: Any) -> Any:
     if _controller is not None:
+        if _controller.defer_chunk_checkpoint(req):
+            # What checkpoint_kv_cache does besides the tree insert: the next chunk resumes here.
+            req.prefix_len = req.extend_end
+            return None
         _controller.on_checkpoint(req)
     return original(req, tree_cache, *args, **kwargs)
 

@@ -10,15 +10,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-# Architecture -> how positions after a compacted span are kept (issue 4 implements both).
-SUPPORTED_ARCHITECTURES = {
-    "Qwen2VLForConditionalGeneration": "mrope",
-    "Qwen2_5_VLForConditionalGeneration": "mrope",
-    "LlavaForConditionalGeneration": "rope1d",
-    "LlavaQwenForCausalLM": "rope1d",
-    "LlavaMistralForCausalLM": "rope1d",
-    "LlavaLlamaForCausalLM": "rope1d",
-}
+# Architectures whose positions survive compaction: M-RoPE models keep later tokens at their
+# logical positions through the request's M-RoPE delta (positions.py). 1-D RoPE VLMs (the LLaVA
+# family) need a per-request position offset that is not implemented yet, so they are refused.
+SUPPORTED_ARCHITECTURES = (
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+)
 SCALED_KV_DTYPES = ("mxfp8", "nvfp4", "fp4_mx_block16")
 _HYBRID_LAYER_TYPES = ("sliding_attention", "linear_attention", "mamba", "chunked_attention")
 

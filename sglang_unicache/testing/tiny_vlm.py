@@ -48,8 +48,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(vocab_size: int = 640):
-    """A byte-level BPE tokenizer (deterministic: fixed corpus, fixed trainer settings)."""
+def build_tokenizer(vocab_size: int = 640, extra_words: tuple[str, ...] | list[str] = ()):
+    """A byte-level BPE tokenizer (deterministic: fixed corpus, fixed trainer settings).
+
+    ``extra_words`` join the built-in corpus (e.g. a dataset's vocabulary, so its answers become
+    one token per word); the default arguments reproduce the original tokenizer exactly.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -63,6 +67,7 @@ def build_tokenizer(vocab_size: int = 640):
         show_progress=False,
     )
     words = _CORPUS_WORDS.split()
+    words += [w for w in dict.fromkeys(extra_words) if w not in words]
     corpus = [" ".join(words[i:] + words[:i]) for i in range(len(words))]
     corpus += [w.capitalize() + "?" for w in words] + [f"{i}." for i in range(100)]
     tok.train_from_iterator(corpus, trainer=trainer)
@@ -76,11 +81,12 @@ def build_tokenizer(vocab_size: int = 640):
     return fast
 
 
-def build_config(tokenizer, *, hidden: int = 64, layers: int = 2, vision_dim: int = 32):
+def build_config(tokenizer, *, hidden: int = 64, layers: int = 2, vision_dim: int = 32,
+                 heads: int = 4, kv_heads: int = 2, vision_depth: int = 2,
+                 vision_heads: int = 2):
     from transformers import Qwen2VLConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    heads, kv_heads = 4, 2
     head_dim = hidden // heads
     half = head_dim // 2
     mrope_section = [half - 2 * (half // 3), half // 3, half // 3]
@@ -100,10 +106,10 @@ def build_config(tokenizer, *, hidden: int = 64, layers: int = 2, vision_dim: in
         pad_token_id=ids["<|endoftext|>"],
     )
     vision = dict(
-        depth=2,
+        depth=vision_depth,
         embed_dim=vision_dim,
         hidden_size=hidden,
-        num_heads=2,
+        num_heads=vision_heads,
         mlp_ratio=2,
         in_channels=3,
         patch_size=14,
@@ -140,19 +146,27 @@ def build_tiny_qwen2_vl(out_dir: str | Path, *, image_size: int = 224, seed: int
     ``(image_size / 28) ** 2`` visual tokens (224 -> 64, 448 -> 256).
     """
     import torch
-    from transformers import (
-        Qwen2VLForConditionalGeneration,
-        Qwen2VLImageProcessor,
-        Qwen2VLProcessor,
-        Qwen2VLVideoProcessor,
-    )
+    from transformers import Qwen2VLForConditionalGeneration
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     config = build_config(tokenizer, hidden=hidden, layers=layers)
     torch.manual_seed(seed)
     model = Qwen2VLForConditionalGeneration(config).to(torch.bfloat16)
+    return save_checkpoint(model, tokenizer, out, image_size=image_size)
+
+
+def save_checkpoint(model, tokenizer, out_dir: str | Path, *, image_size: int = 224) -> Path:
+    """Write ``model`` (as is: its dtype), tokenizer, processor and chat template to ``out_dir``
+    in the layout SGLang serves (``config.json`` with the top-level text fields it reads).
+
+    ``image_size`` fixes the processor's pixel budget (``(image_size / 28) ** 2`` visual tokens).
+    """
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = model.config
     model.generation_config.eos_token_id = config.text_config.eos_token_id
     model.save_pretrained(out)
     pixels = image_size * image_size

@@ -136,16 +136,21 @@ def test_self_check_failure_falls_back_to_full_kv(server_factory, stock, tmp_pat
     assert stats["fallbacks"] >= 1 and stats["images_compressed"] == 0
 
 
-def test_image_split_across_prefill_chunks_keeps_full_kv(server_factory, nocheck_config):
+def test_image_split_across_prefill_chunks_is_compressed(server_factory, nocheck_config):
     server = server_factory("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio",
                             str(KEEP), "--unicache-config", nocheck_config,
-                            "--chunked-prefill-size", "32")
+                            "--chunked-prefill-size", "32", "--enable-cache-report")
     flush_cache(server)
     baseline = available_slots(server)
+    before = internal_state(server)["unicache"]
     out = chat(server, image_chat(solid_png((5, 150, 90)), "what colour is it?", max_tokens=8))
     assert out["usage"]["completion_tokens"] == 8
-    stats = internal_state(server)["unicache"]
-    assert stats["skipped_cached"] >= 1 and stats["images_compressed"] == 0
+    after = internal_state(server)["unicache"]
+    assert after["images_compressed"] == before["images_compressed"] + 1
+    assert after["slots_freed"] - before["slots_freed"] == IMAGE_TOKENS - KEPT
+    again = chat(server, image_chat(solid_png((5, 150, 90)), "describe it", max_tokens=4))
+    assert internal_state(server)["unicache"]["spans_reused"] == after["spans_reused"] + 1
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= KEPT
     flush_cache(server)
     assert available_slots(server) == baseline
 

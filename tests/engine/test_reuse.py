@@ -75,3 +75,16 @@ def test_reuse_churn_leaks_nothing(compressing):
             chat(compressing, image_chat(png, question, max_tokens=4))
     flush_cache(compressing)
     assert available_slots(compressing) == baseline
+
+
+def test_concurrent_requests_with_one_image_share_one_span(compressing):
+    from sglang_unicache.testing.client import chat_all
+
+    flush_cache(compressing)
+    baseline = available_slots(compressing)
+    png = solid_png((250, 120, 0))
+    questions = ["what colour is it?", "describe it", "where is it?", "is it red?"]
+    outs = chat_all(compressing, [image_chat(png, q, max_tokens=5) for q in questions])
+    assert all(o["usage"]["completion_tokens"] == 5 for o in outs)
+    flush_cache(compressing)
+    assert available_slots(compressing) == baseline

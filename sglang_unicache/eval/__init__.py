@@ -1,0 +1,1 @@
+"""Quality evaluation: the synthetic visual-QA task the trained tiny VLM is scored on."""
