@@ -7,6 +7,7 @@ stopped by PID. Their logs stay in ``runs/test-logs/`` (override with UNICACHE_T
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -27,21 +28,32 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_qwen2_vl(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl")
 
 
+MAX_LIVE_SERVERS = 3  # each costs ~2.4 GB of RAM (launcher, scheduler, detokenizer)
+
+
 @pytest.fixture(scope="session")
 def server_factory(tiny_model):
-    """Start a server for a list of flags, once per distinct list, for the whole session."""
+    """A server for a list of flags, shared by every test that asks for the same flags.
+
+    At most ``MAX_LIVE_SERVERS`` run at once: starting another stops the least recently used
+    (a later test that needs it again starts it anew).
+    """
     from sglang_unicache.testing.server import start_server
 
-    servers = {}
+    servers: OrderedDict = OrderedDict()
 
     def get(*args: str, env: dict[str, str] | None = None):
         key = (tuple(args), tuple(sorted((env or {}).items())))
-        if key not in servers:
-            flags = "_".join(Path(a).name if "/" in a else a.lstrip("-") for a in args)
-            name = "server-" + (flags or "stock")[:100]
-            if env:
-                name += "_" + "_".join(f"{k}={v}" for k, v in sorted(env.items()))
-            servers[key] = start_server(tiny_model, list(args), LOG_DIR / f"{name}.log", env=env)
+        if key in servers:
+            servers.move_to_end(key)
+            return servers[key]
+        while len(servers) >= MAX_LIVE_SERVERS:
+            servers.popitem(last=False)[1].stop()
+        flags = "_".join(Path(a).name if "/" in a else a.lstrip("-") for a in args)
+        name = "server-" + (flags or "stock")[:100]
+        if env:
+            name += "_" + "_".join(f"{k}={v}" for k, v in sorted(env.items()))
+        servers[key] = start_server(tiny_model, list(args), LOG_DIR / f"{name}.log", env=env)
         return servers[key]
 
     yield get
@@ -49,7 +61,7 @@ def server_factory(tiny_model):
         server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def unicache_server(server_factory):
     return server_factory("--unicache", "--unicache-keep-ratio", "0.25", "--enable-cache-report")
 
@@ -77,12 +89,12 @@ def nocheck_config(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def stock(server_factory):
     return server_factory("--enable-cache-report")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def compressing(server_factory, nocheck_config):
     """key-norm at 25%: query-independent, so the spans it compresses are shared."""
     return server_factory("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio",

@@ -48,13 +48,36 @@ def _prune(cache, start: int, end: int, kept: list[torch.Tensor]) -> None:
 
 @torch.no_grad()
 def greedy_with_pruned_cache(model, inputs, span: tuple[int, int], kept: list[torch.Tensor] | None,
-                             max_new_tokens: int) -> list[int]:
-    """Greedy tokens; ``kept=None`` decodes on the full cache."""
-    out = model(**inputs, use_cache=True)
-    cache, length = out.past_key_values, inputs["input_ids"].shape[1]
-    deltas = model.model.rope_deltas  # [1, 1]: M-RoPE position of token t is t + delta
-    if kept is not None:
+                             max_new_tokens: int, prune_at: int | None = None) -> list[int]:
+    """Greedy tokens; ``kept=None`` decodes on the full cache.
+
+    ``prune_at=None``: prefill the whole prompt, then prune (a request that compressed its own
+    image after prefill). ``prune_at=p``: prefill the first p tokens, prune, then prefill the
+    rest on the pruned cache (a request that reuses a span cached by an earlier request whose
+    first p tokens it shares).
+    """
+    ids = inputs["input_ids"]
+    length = ids.shape[1]
+    if prune_at is None or kept is None:
+        out = model(**inputs, use_cache=True)
+        cache = out.past_key_values
+        deltas = model.model.rope_deltas  # [1, 1]: M-RoPE position of token t is t + delta
+        if kept is not None:
+            _prune(cache, *span, kept)
+    else:
+        positions, deltas = model.model.get_rope_index(
+            ids, image_grid_thw=inputs["image_grid_thw"],
+            attention_mask=inputs["attention_mask"], mm_token_type_ids=inputs["mm_token_type_ids"])
+        head = {k: (v[:, :prune_at] if k in ("input_ids", "attention_mask", "mm_token_type_ids")
+                    else v) for k, v in inputs.items()}
+        out = model(**head, position_ids=positions[:, :, :prune_at], use_cache=True)
+        cache = out.past_key_values
         _prune(cache, *span, kept)
+        start = cache.get_seq_length()
+        out = model(input_ids=ids[:, prune_at:], past_key_values=cache,
+                    position_ids=positions[:, :, prune_at:], use_cache=True,
+                    cache_position=torch.arange(start, start + length - prune_at))
+        cache = out.past_key_values
     tokens = [int(out.logits[0, -1].argmax())]
     for step in range(max_new_tokens - 1):
         position = (length + step + deltas).view(1, 1, 1).expand(3, 1, 1)

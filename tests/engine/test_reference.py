@@ -1,5 +1,6 @@
 """Compressed decoding is right: the server's tokens equal an independent transformers reference
-whose cache holds exactly the same kept entries at their original positions."""
+whose cache holds exactly the same kept entries at their original positions, both for a request
+that compressed its own image and for a later request that reuses the cached compressed span."""
 
 from __future__ import annotations
 
@@ -33,12 +34,11 @@ def kept_entries(config: UniCacheConfig, layers: int, tokens: int, heads: int, h
     return [layer.kept for layer in plan.image_plans()[0].layers]
 
 
-@pytest.fixture(scope="module")
-def random_server(server_factory, tmp_path_factory):
-    path = tmp_path_factory.mktemp("cfg") / "random.yaml"
-    path.write_text("selfcheck: false\n")
+@pytest.fixture
+def random_server(server_factory, nocheck_config):
     return server_factory("--unicache", "--unicache-method", "random", "--unicache-keep-ratio",
-                          str(KEEP), "--unicache-config", str(path), "--dtype", "float32")
+                          str(KEEP), "--unicache-config", nocheck_config, "--dtype", "float32",
+                          "--enable-cache-report")
 
 
 def test_server_tokens_equal_the_pruned_cache_reference(random_server, tiny_model):
@@ -61,3 +61,33 @@ def test_server_tokens_equal_the_pruned_cache_reference(random_server, tiny_mode
         assert served == processor.tokenizer.decode(reference, skip_special_tokens=True), (
             colour, question)
     assert differs_from_full, "compression changed no output: the comparison proves nothing"
+
+
+def test_reused_span_tokens_equal_the_prune_then_prefill_reference(random_server, tiny_model):
+    """Request 2 asks another question about request 1's image: its question is prefilled on the
+    compressed span from the tree. The reference prefills the shared prefix in full (as request 1
+    did), prunes the image to the same kept set, then prefills request 2's own tokens."""
+    from sglang_unicache.testing.client import internal_state
+
+    model, processor = load(tiny_model)
+    text = model.config.text_config
+    config = UniCacheConfig(method="random", keep_ratio=KEEP, selfcheck=False)
+    png = solid_png((90, 10, 160))
+    chat(random_server, image_chat(png, "what colour is it?", max_tokens=2))
+    reused_before = internal_state(random_server)["unicache"]["spans_reused"]
+    question = "where is the square?"
+    served = chat(random_server, image_chat(png, question, max_tokens=NEW_TOKENS))
+    assert internal_state(random_server)["unicache"]["spans_reused"] == reused_before + 1
+    inputs = prompt_inputs(processor, png, question)
+    span = image_span(inputs, model.config.image_token_id)
+    kept = kept_entries(config, text.num_hidden_layers, inputs["input_ids"].shape[1],
+                        text.num_key_value_heads, text.hidden_size // text.num_attention_heads,
+                        span)
+    # Tokens the server took from the tree, in original coordinates (the span counts N there).
+    removed = (span[1] - span[0]) - kept[0].shape[1]
+    shared = served["usage"]["prompt_tokens_details"]["cached_tokens"] + removed
+    assert shared > span[1], "the request did not reuse the cached span"
+    reference = greedy_with_pruned_cache(model, inputs, span, kept, NEW_TOKENS, prune_at=shared)
+    own = greedy_with_pruned_cache(model, inputs, span, kept, NEW_TOKENS)
+    assert answer(served) == processor.tokenizer.decode(reference, skip_special_tokens=True)
+    assert reference != own, "prefill on the pruned span changed nothing: the test proves nothing"

@@ -1,0 +1,299 @@
+"""Train a tiny Qwen2-VL from scratch on CPU on the synthetic visual-QA task (issue 6, DESIGN §6).
+
+The model is the real ``Qwen2VLForConditionalGeneration`` architecture (so SGLang serves the
+checkpoint), trained with transformers on endless fresh items of the ``train`` split. Inputs come
+from the Qwen2-VL processor and the chat template (user turn: image, then question; assistant
+turn: the answer); the loss covers only the answer tokens and the closing ``<|im_end|>``. An
+auxiliary per-cell classification loss on the merged vision features (colour and shape of the
+cell each merged token covers, background included) makes the vision side learn fast; its heads
+are dropped at save time.
+
+Validation accuracy is greedy exact match, computed in one teacher-forced pass: greedy decoding
+reproduces the answer and stops iff at every answer position the argmax is the next answer token
+(``<|im_end|>`` last). The saved checkpoint has the layout ``build_tiny_qwen2_vl`` writes.
+
+    python benchmarks/quality/train_tiny_vlm.py --out runs/tiny-vqa-qwen2-vl --steps 3000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from sglang_unicache.eval.vqa_data import (
+    COLOURS,
+    DEFAULT_QTYPES,
+    SHAPES,
+    VOCAB_WORDS,
+    VQAItem,
+    iter_items,
+    make_split,
+)
+from sglang_unicache.testing.tiny_vlm import (
+    CHAT_TEMPLATE,
+    build_config,
+    build_tokenizer,
+    save_checkpoint,
+)
+
+VOCAB_SIZE = 1024  # BPE budget: every dataset word becomes one token
+
+
+def build_processor(tokenizer, image_size: int):
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    pixels = image_size * image_size
+    return Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(min_pixels=28 * 28, max_pixels=pixels),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(min_pixels=28 * 28, max_pixels=pixels),
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def prompt_text(tokenizer, question: str) -> str:
+    messages = [{"role": "user", "content": [{"type": "image"},
+                                             {"type": "text", "text": question}]}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def encode(processor, items: list[VQAItem]) -> dict:
+    """Processor inputs for prompt + answer + ``<|im_end|>``, right-padded, with ``labels``
+    (-100 except the answer tokens and the closing ``<|im_end|>``)."""
+    tok = processor.tokenizer
+    tok.padding_side = "right"
+    texts = [prompt_text(tok, it.question) + it.answer + tok.eos_token for it in items]
+    batch = processor(text=texts, images=[it.image for it in items], padding=True,
+                      return_tensors="pt")
+    labels = torch.full_like(batch["input_ids"], -100)
+    lengths = batch["attention_mask"].sum(1).tolist()
+    for b, it in enumerate(items):
+        answer_ids = tok(it.answer + tok.eos_token, add_special_tokens=False)["input_ids"]
+        end = int(lengths[b])
+        start = end - len(answer_ids)
+        got = batch["input_ids"][b, start:end].tolist()
+        if got != answer_ids:  # the answer must tokenize the same in context and alone
+            raise ValueError(f"answer tokenization differs in context: {got} vs {answer_ids}")
+        labels[b, start:end] = batch["input_ids"][b, start:end]
+    batch["labels"] = labels
+    return dict(batch)
+
+
+class AuxHeads(torch.nn.Module):
+    """Per-merged-token colour and shape classifiers (class 0 = background)."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.colour = torch.nn.Linear(hidden, 1 + len(COLOURS))
+        self.shape = torch.nn.Linear(hidden, 1 + len(SHAPES))
+
+    def loss(self, feats: torch.Tensor, items: list[VQAItem]) -> tuple[torch.Tensor, float]:
+        colour = torch.cat([torch.from_numpy(it.scene.cell_targets()[0]) for it in items])
+        shape = torch.cat([torch.from_numpy(it.scene.cell_targets()[1]) for it in items])
+        if feats.shape[0] != colour.shape[0]:
+            raise ValueError(f"{feats.shape[0]} merged tokens for {colour.shape[0]} cells")
+        obj = colour > 0
+        total = feats.new_zeros(())
+        for head, target in ((self.colour, colour), (self.shape, shape)):
+            ce = F.cross_entropy(head(feats), target, reduction="none")
+            # Balanced: background and object cells weigh the same (objects are ~2% of cells).
+            total = total + ce[~obj].mean() + (ce[obj].mean() if obj.any() else 0.0)
+        with torch.no_grad():
+            pred = self.colour(feats).argmax(-1)
+            obj_acc = (pred[obj] == colour[obj]).float().mean().item() if obj.any() else 1.0
+        return total, obj_acc
+
+
+def forward(model, batch: dict, capture: dict):
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                mm_token_type_ids=batch["mm_token_type_ids"], use_cache=False)
+    logits = out.logits[:, :-1].float()
+    labels = batch["labels"][:, 1:]
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           ignore_index=-100)
+    return loss, logits, labels, capture.pop("vision")
+
+
+@torch.no_grad()
+def evaluate(model, processor, items: list[VQAItem], batch_size: int, capture: dict) -> dict:
+    """Greedy exact-match accuracy (teacher-forced, see the module doc), overall and per qtype."""
+    model.eval()
+    right: dict[str, int] = defaultdict(int)
+    total: dict[str, int] = defaultdict(int)
+    for i in range(0, len(items), batch_size):
+        chunk = items[i:i + batch_size]
+        batch = encode(processor, chunk)
+        _, logits, labels, _ = forward(model, batch, capture)
+        mask = labels != -100
+        ok = ((logits.argmax(-1) == labels) | ~mask).all(-1)
+        for it, good in zip(chunk, ok.tolist(), strict=True):
+            total[it.qtype] += 1
+            right[it.qtype] += int(good)
+    model.train()
+    acc = {q: right[q] / total[q] for q in sorted(total)}
+    acc["overall"] = sum(right.values()) / max(1, sum(total.values()))
+    return acc
+
+
+def generate_answers(model_dir: Path, items: list[VQAItem], max_new_tokens: int = 12) -> list[str]:
+    """Answers of the saved checkpoint, loaded back with transformers, greedy."""
+    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    answers = []
+    for it in items:
+        messages = [{"role": "user", "content": [{"type": "image"},
+                                                 {"type": "text", "text": it.question}]}]
+        text = processor.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=False)
+        inputs = processor(text=[text], images=[it.image], return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        new = out[0, inputs["input_ids"].shape[1]:]
+        answers.append(processor.tokenizer.decode(new, skip_special_tokens=True).strip())
+    return answers
+
+
+def lr_at(step: int, args) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=0, help="model init and data seed")
+    p.add_argument("--grid", type=int, default=16, help="cells per side (image = grid*28 px)")
+    p.add_argument("--qtypes", default=",".join(DEFAULT_QTYPES))
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--eval-images", type=int, default=50, help="validation images")
+    p.add_argument("--eval-questions", type=int, default=4, help="questions per val image")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--hidden", type=int, default=192)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vision-dim", type=int, default=64)
+    p.add_argument("--vision-depth", type=int, default=3)
+    p.add_argument("--vision-heads", type=int, default=2)
+    p.add_argument("--aux-weight", type=float, default=1.0, help="0 disables the per-cell loss")
+    p.add_argument("--save-dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    p.add_argument("--check", type=int, default=3,
+                   help="after saving, reload the checkpoint and answer this many val items")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    qtypes = tuple(q for q in args.qtypes.split(",") if q)
+    image_size = args.grid * 28
+
+    tokenizer = build_tokenizer(VOCAB_SIZE, extra_words=VOCAB_WORDS)
+    processor = build_processor(tokenizer, image_size)
+    config = build_config(tokenizer, hidden=args.hidden, layers=args.layers,
+                          vision_dim=args.vision_dim, heads=args.heads, kv_heads=args.kv_heads,
+                          vision_depth=args.vision_depth, vision_heads=args.vision_heads)
+    from transformers import Qwen2VLForConditionalGeneration
+
+    model = Qwen2VLForConditionalGeneration(config)
+    model.train()
+    aux = AuxHeads(args.hidden)
+    capture: dict = {}
+    model.model.visual.register_forward_hook(
+        lambda _m, _i, o: capture.__setitem__("vision", o.pooler_output))
+    params = list(model.parameters()) + list(aux.parameters())
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay,
+                            betas=(0.9, 0.98))
+
+    train = iter_items("train", args.seed, grid=args.grid, questions_per_image=1, qtypes=qtypes)
+    val = make_split("validation", args.eval_images, args.eval_questions, seed=args.seed,
+                     grid=args.grid, qtypes=qtypes)
+    log_path = out / "training_log.jsonl"
+    log = log_path.open("w")
+    print(f"params {n_params / 1e6:.2f} M, image {image_size} px = {args.grid ** 2} tokens, "
+          f"qtypes {','.join(qtypes)}, {len(val)} validation items, "
+          f"threads {torch.get_num_threads()}", flush=True)
+
+    t0 = time.time()
+    window: list[float] = []
+    for step in range(args.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args)
+        items = [next(train) for _ in range(args.batch)]
+        batch = encode(processor, items)
+        loss, _, _, feats = forward(model, batch, capture)
+        total = loss
+        aux_loss, cell_acc = torch.zeros(()), float("nan")
+        if args.aux_weight > 0:
+            aux_loss, cell_acc = aux.loss(feats, items)
+            total = loss + args.aux_weight * aux_loss
+        opt.zero_grad(set_to_none=True)
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        window.append(loss.item())
+        done = step + 1
+        if done % args.log_every == 0 or done == 1 or done == args.steps:
+            elapsed = time.time() - t0
+            rec = {"step": done, "loss": sum(window) / len(window), "aux": aux_loss.item(),
+                   "cell_colour_acc": cell_acc, "lr": lr_at(step, args),
+                   "s_per_step": elapsed / done, "elapsed_s": elapsed}
+            window.clear()
+            print(json.dumps({k: float(f"{v:.4g}") if isinstance(v, float) else v
+                              for k, v in rec.items()}), flush=True)
+            log.write(json.dumps(rec) + "\n")
+        if done % args.eval_every == 0 or done == args.steps:
+            acc = evaluate(model, processor, val, args.batch, capture)
+            rec = {"step": done, "val": acc}
+            print(json.dumps({"step": done, "val": {k: round(v, 3) for k, v in acc.items()}}),
+                  flush=True)
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+    log.close()
+    train_s = time.time() - t0
+
+    model.eval()
+    model.to(torch.bfloat16 if args.save_dtype == "bf16" else torch.float32)
+    save_checkpoint(model, tokenizer, out, image_size=image_size)
+    (out / "training_args.json").write_text(json.dumps(vars(args), indent=2))
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    print(f"saved {out} ({size / 1e6:.1f} MB) after {train_s:.0f} s "
+          f"({train_s / max(1, args.steps):.2f} s/step)", flush=True)
+
+    if args.check:
+        items = val[:args.check]
+        for it, got in zip(items, generate_answers(out, items), strict=True):
+            print(f"[check] {it.image_id} Q: {it.question} | expected: {it.answer} | "
+                  f"model: {got}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
