@@ -18,6 +18,7 @@ reproduces the answer and stops iff at every answer position the argmax is the n
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import random
@@ -213,6 +214,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     qtypes = tuple(q for q in args.qtypes.split(",") if q)
     image_size = args.grid * 28
+    save_dtype = torch.bfloat16 if args.save_dtype == "bf16" else torch.float32
 
     tokenizer = build_tokenizer(VOCAB_SIZE, extra_words=VOCAB_WORDS)
     processor = build_processor(tokenizer, image_size)
@@ -276,11 +278,15 @@ def main(argv=None) -> int:
                   flush=True)
             log.write(json.dumps(rec) + "\n")
             log.flush()
+            # A servable snapshot at every evaluation: a long run cut short still leaves one.
+            snapshot = copy.deepcopy(model).eval().to(save_dtype)
+            save_checkpoint(snapshot, tokenizer, out, image_size=image_size)
+            model.train()
     log.close()
     train_s = time.time() - t0
 
     model.eval()
-    model.to(torch.bfloat16 if args.save_dtype == "bf16" else torch.float32)
+    model.to(save_dtype)
     save_checkpoint(model, tokenizer, out, image_size=image_size)
     (out / "training_args.json").write_text(json.dumps(vars(args), indent=2))
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())

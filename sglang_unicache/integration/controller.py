@@ -36,8 +36,11 @@ from sglang_unicache.types import ImageSpan, ScoreInputs
 
 logger = logging.getLogger("sglang_unicache")
 
-COMPRESSED_ID_BASE = 1_500_000_000  # above SGLang's image pad ids, below 2**31
-COMPRESSED_ID_RANGE = 400_000_000
+# Compressed span ids live where SGLang's image pad ids do: above every vocabulary
+# (MM_PAD_SHIFT_VALUE), with 62 hash bits, so two different spans never start with the same id
+# (the radix tree tells children apart by their first token).
+COMPRESSED_ID_BASE = 1_000_000
+COMPRESSED_ID_MASK = (1 << 62) - (1 << 24)  # room for 2**24 consecutive ids, below 2**63
 MAX_KNOWN_SPANS = 1 << 16  # spans remembered for reuse (oldest forgotten first)
 
 
@@ -200,8 +203,9 @@ class Controller:
         """Token ids of a compressed span: one per kept entry, the same for the same image at the
         same position under the same config, so the radix tree can share the span."""
         key = f"{pad_id}:{start}:{self.config_digest}".encode()
-        base = int(hashlib.sha256(key).hexdigest()[:12], 16) % COMPRESSED_ID_RANGE
-        return tuple(range(COMPRESSED_ID_BASE + base, COMPRESSED_ID_BASE + base + count))
+        digest = int.from_bytes(hashlib.sha256(key).digest()[:8], "big")
+        base = COMPRESSED_ID_BASE + (digest & COMPRESSED_ID_MASK)
+        return tuple(range(base, base + count))
 
     def _rewrite_request(self, req, pending: Pending, results: list[SpanResult],
                          removed: int) -> None:
