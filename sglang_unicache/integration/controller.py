@@ -83,6 +83,7 @@ class Controller:
     pending: dict[str, Pending] = field(default_factory=dict)
     records: dict[str, Record] = field(default_factory=dict)
     capture: QueryCapture | None = None
+    metrics: object | None = None  # metrics.Metrics with --enable-metrics
     # (image pad id, span start, span length) -> entries kept, for spans compressed so far: what
     # a later request needs to build the ids it looks up in the tree.
     known_spans: OrderedDict[tuple[int, int, int], int] = field(default_factory=OrderedDict)

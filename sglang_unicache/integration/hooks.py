@@ -7,6 +7,7 @@ from typing import Any
 
 from sglang_unicache.integration import capture, flags
 from sglang_unicache.integration.controller import Controller
+from sglang_unicache.integration.metrics import Metrics
 from sglang_unicache.integration.support import local_hf_config, unsupported_setup
 
 logger = logging.getLogger("sglang_unicache")
@@ -75,10 +76,17 @@ def after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any)
     allocator = scheduler.token_to_kv_pool_allocator
     _controller = Controller(config, scheduler.req_to_token_pool.req_to_token,
                              allocator.get_kvcache(), allocator)
+    if scheduler.server_args.enable_metrics:
+        _controller.metrics = Metrics()
     scheduler.unicache = _controller
     logger.info("sglang-unicache: scheduler received config method=%s keep_ratio=%s "
                 "min_image_tokens=%s", config.method, config.keep_ratio, config.min_image_tokens)
     return result
+
+
+def _publish() -> None:
+    if _controller is not None and _controller.metrics is not None:
+        _controller.metrics.sync(_controller.stats)
 
 
 def around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
@@ -99,6 +107,7 @@ def around_checkpoint_kv_cache(original: Any, req: Any, tree_cache: Any, *args: 
             req.prefix_len = req.extend_end
             return None
         _controller.on_checkpoint(req)
+        _publish()
     return original(req, tree_cache, *args, **kwargs)
 
 
@@ -107,6 +116,7 @@ def around_init_next_round_input(original: Any, req: Any, tree_cache: Any = None
     if _controller is None or tree_cache is None:
         return original(req, tree_cache, *args, **kwargs)
     _controller.match_with_reuse(lambda: original(req, tree_cache, *args, **kwargs), req)
+    _publish()
     return None
 
 

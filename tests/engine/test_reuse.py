@@ -88,3 +88,24 @@ def test_concurrent_requests_with_one_image_share_one_span(compressing):
     assert all(o["usage"]["completion_tokens"] == 5 for o in outs)
     flush_cache(compressing)
     assert available_slots(compressing) == baseline
+
+
+def test_metrics_endpoint_counts_compression_and_reuse(server_factory, nocheck_config):
+    import requests
+
+    server = server_factory("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio",
+                            "0.25", "--unicache-config", nocheck_config, "--enable-metrics")
+    png = solid_png((3, 200, 100))
+    chat(server, image_chat(png, "what colour is it?"))
+    chat(server, image_chat(png, "describe it"))
+    text = requests.get(f"{server.url}/metrics", timeout=30).text
+
+    def value(name: str) -> float:
+        lines = [ln for ln in text.splitlines() if ln.startswith(f"sglang_unicache_{name}_total")]
+        assert lines, f"sglang_unicache_{name}_total missing from /metrics"
+        return float(lines[0].split()[-1])
+
+    assert value("images_compressed") >= 1
+    assert value("slots_freed") >= IMAGE_TOKENS - KEPT
+    assert value("spans_reused") >= 1
+    assert value("fallbacks") == 0

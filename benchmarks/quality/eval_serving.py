@@ -1,0 +1,127 @@
+"""Quality through the real serving path: accuracy vs keep ratio for every method (issue 6).
+
+Starts the SGLang server on the CPU with the plugin for each (method, keep ratio), sends the
+synthetic visual-QA test split through ``/v1/chat/completions`` at temperature 0, and scores exact
+answers. Two settings (DESIGN.md §6):
+
+- ``reuse`` (the headline): per image, question 1 warms the cache and compresses the image;
+  questions 2..N are scored while they reuse the cached compressed span (the script checks the
+  server's reuse counter).
+- ``long``: first requests whose answers take several tokens, scored on the whole answer, so
+  compression during decoding shows.
+
+    python benchmarks/quality/eval_serving.py --model runs/tiny-vqa-qwen2-vl \\
+        --methods full,random,knorm,snapkv,unicache --ratios 0.1 --images 40 --out runs/q.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from sglang_unicache.eval.vqa_data import LONG_ANSWER_QTYPES, make_split
+from sglang_unicache.testing.client import answer, chat, flush_cache, internal_state
+from sglang_unicache.testing.images import data_url
+from sglang_unicache.testing.server import start_server
+
+REUSE_QTYPES = ("colour_of_shape", "shape_of_colour", "count_colour", "count_all", "same_colour")
+
+
+def png_of(image) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def ask(server, item, max_tokens: int) -> str:
+    body = {"model": "default", "temperature": 0, "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url(png_of(item.image))}},
+                {"type": "text", "text": item.question}]}]}
+    return answer(chat(server, body)).strip()
+
+
+def score(rows: list[dict]) -> dict:
+    by_type = defaultdict(list)
+    for row in rows:
+        by_type[row["qtype"]].append(row["correct"])
+    overall = [r["correct"] for r in rows]
+    return {"accuracy": sum(overall) / max(len(overall), 1), "n": len(overall),
+            "by_type": {k: sum(v) / len(v) for k, v in sorted(by_type.items())}}
+
+
+def run_reuse(server, images: int, questions: int, seed: int) -> tuple[dict, int]:
+    items = make_split("test", images, questions, seed=seed, qtypes=REUSE_QTYPES)
+    rows, reused = [], 0
+    for start in range(0, len(items), questions):
+        group = items[start:start + questions]
+        flush_cache(server)
+        ask(server, group[0], 4)  # warms the cache: compresses the image
+        before = internal_state(server).get("unicache", {}).get("spans_reused", 0)
+        for item in group[1:]:
+            got = ask(server, item, 4)
+            rows.append({"qtype": item.qtype, "correct": got == item.answer})
+        reused += internal_state(server).get("unicache", {}).get("spans_reused", 0) - before
+    return score(rows), reused
+
+
+def run_long(server, images: int, seed: int) -> dict:
+    items = make_split("test", images, 1, seed=seed + 1, qtypes=LONG_ANSWER_QTYPES[::2])
+    rows = []
+    for item in items:
+        flush_cache(server)
+        rows.append({"qtype": item.qtype, "correct": ask(server, item, 16) == item.answer})
+    return score(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--methods", default="full,random,knorm,h2o,snapkv,pyramidkv,aircache,"
+                                             "unicache")
+    parser.add_argument("--ratios", default="0.01,0.05,0.1,0.25,0.5")
+    parser.add_argument("--settings", default="reuse,long")
+    parser.add_argument("--images", type=int, default=40)
+    parser.add_argument("--questions", type=int, default=5, help="per image (reuse setting)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--selfcheck", action="store_true",
+                        help="keep the KL self-check on (default off: score the method itself)")
+    parser.add_argument("--out", default="runs/quality.json")
+    args = parser.parse_args()
+
+    config = Path(tempfile.mkdtemp()) / "policy.json"
+    config.write_text(json.dumps({"selfcheck": bool(args.selfcheck)}))
+    settings = args.settings.split(",")
+    results = []
+    for method in args.methods.split(","):
+        ratios = ["1.0"] if method == "full" else args.ratios.split(",")
+        for ratio in ratios:
+            flags = ["--unicache", "--unicache-method", method, "--unicache-keep-ratio", ratio,
+                     "--unicache-config", str(config), "--enable-cache-report"]
+            start = time.perf_counter()
+            server = start_server(args.model, flags, f"runs/quality-{method}-{ratio}.log")
+            try:
+                entry = {"method": method, "keep_ratio": float(ratio)}
+                if "reuse" in settings:
+                    entry["reuse"], entry["spans_reused"] = run_reuse(
+                        server, args.images, args.questions, args.seed)
+                if "long" in settings:
+                    entry["long"] = run_long(server, args.images, args.seed)
+                entry["stats"] = internal_state(server).get("unicache", {})
+            finally:
+                server.stop()
+            entry["seconds"] = round(time.perf_counter() - start, 1)
+            results.append(entry)
+            print(json.dumps({k: v for k, v in entry.items() if k != "stats"}), flush=True)
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

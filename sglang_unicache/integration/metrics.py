@@ -1,0 +1,33 @@
+"""Prometheus metrics of the plugin on SGLang's ``/metrics`` (with ``--enable-metrics``).
+
+SGLang runs prometheus_client in multiprocess mode; metrics created in the scheduler process
+after it set ``PROMETHEUS_MULTIPROC_DIR`` are served by the HTTP server with its own. The
+controller's ``Stats`` stay the single source of truth: ``sync`` turns their growth since the
+last call into counter increments, once per scheduled batch.
+"""
+
+from __future__ import annotations
+
+COUNTERS = {
+    "images_compressed": "Image spans compressed after prefill",
+    "slots_freed": "KV slots returned to the allocator by compaction",
+    "spans_reused": "Compressed image spans served from the radix tree to a later request",
+    "fallbacks": "Compressions abandoned (self-check failed or error); request kept its full KV",
+    "skipped_cached": "Requests left uncompressed because their image came from the tree",
+}
+
+
+class Metrics:
+    def __init__(self) -> None:
+        from prometheus_client import Counter
+
+        self.counters = {name: Counter(f"sglang_unicache_{name}", doc)
+                         for name, doc in COUNTERS.items()}
+        self.seen = dict.fromkeys(COUNTERS, 0)
+
+    def sync(self, stats) -> None:
+        for name, counter in self.counters.items():
+            value = getattr(stats, name)
+            if value > self.seen[name]:
+                counter.inc(value - self.seen[name])
+                self.seen[name] = value
