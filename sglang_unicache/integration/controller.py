@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -53,8 +54,10 @@ class Stats:
     skipped_cached: int = 0
     spans_reused: int = 0
     vision_encoder_calls: int = 0  # Qwen2-VL image encoder batches run (tests read it)
+    compress_seconds: float = 0.0  # policy + compaction, summed (benchmarks read it)
+    prefill_seconds: float = 0.0  # forwards of extend batches that had targets, summed
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
 
 
@@ -153,12 +156,14 @@ class Controller:
         pending = self.pending.pop(req.rid, None)
         if pending is None or self.capture is None:
             return
+        start = time.perf_counter()
         try:
             self._compress(req, pending, self.capture.queries_of(pending.target))
         except Exception:
             self.stats.fallbacks += 1
             logger.exception("sglang-unicache: compression failed for %s; keeping full KV",
                              req.rid)
+        self.stats.compress_seconds += time.perf_counter() - start
 
     def _buffers(self):
         pool = self.kv_pool

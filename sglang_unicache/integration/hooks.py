@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from sglang_unicache.integration import capture, flags
@@ -92,11 +93,15 @@ def _publish() -> None:
 def around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
     if _controller is None or not batch.forward_mode.is_extend():
         return original(scheduler, batch, *args, **kwargs)
-    capture.set_active(_controller.begin_forward(batch))
+    active = _controller.begin_forward(batch)
+    capture.set_active(active)
+    start = time.perf_counter()
     try:
         return original(scheduler, batch, *args, **kwargs)
     finally:
         capture.set_active(None)
+        if active is not None:
+            _controller.stats.prefill_seconds += time.perf_counter() - start
 
 
 def around_checkpoint_kv_cache(original: Any, req: Any, tree_cache: Any, *args: Any,

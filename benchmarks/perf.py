@@ -1,0 +1,156 @@
+"""Performance against stock SGLang, side by side, through the real engine (issue 7).
+
+Each measurement starts stock SGLang and the plugin on the same model, pool and workload in the
+same run, and reports ratios. Numbers are read from the allocator (``/server_info``), never
+estimated.
+
+1. memory: KV slots (and bytes) one cached image holds in the tree, per keep ratio, vs stock.
+2. capacity: distinct images still resident in a pool sized for ~8 uncompressed images, after a
+   stream of distinct images.
+5. overhead: time from prefill end to compressed cache (score capture + policy + compaction) as a
+   share of the prefill forward, per method.
+
+    python benchmarks/perf.py --out runs/perf.json          # ~10 minutes on 2 CPU cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from sglang_unicache.testing.client import (
+    available_slots,
+    chat,
+    flush_cache,
+    internal_state,
+)
+from sglang_unicache.testing.images import image_chat, solid_png
+from sglang_unicache.testing.server import start_server
+from sglang_unicache.testing.tiny_vlm import build_tiny_qwen2_vl
+
+IMAGE_SIZE = 448  # 256 visual tokens per image
+
+
+def image(i: int) -> bytes:
+    return solid_png(((37 * i) % 256, (91 * i) % 256, (53 * i + 7) % 256), size=IMAGE_SIZE)
+
+
+def slot_bytes(model: Path) -> int:
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2  # bf16 K+V
+
+
+def flags_for(method: str | None, ratio: float, config: Path) -> list[str]:
+    if method is None:
+        return ["--enable-cache-report"]
+    return ["--unicache", "--unicache-method", method, "--unicache-keep-ratio", str(ratio),
+            "--unicache-config", str(config), "--enable-cache-report"]
+
+
+def memory_per_image(model: Path, config: Path, ratios: list[float], log_dir: Path) -> list[dict]:
+    rows = []
+    for method, ratio in [(None, 1.0)] + [("knorm", r) for r in ratios]:
+        server = start_server(model, flags_for(method, ratio, config), log_dir / "mem.log")
+        try:
+            held = []
+            for i in range(3):
+                flush_cache(server)
+                before = available_slots(server)
+                out = chat(server, image_chat(image(i), "what colour is it?", max_tokens=1))
+                text = out["usage"]["prompt_tokens"] - 256 + 1
+                held.append(before - available_slots(server) - text)
+        finally:
+            server.stop()
+        rows.append({"server": "stock" if method is None else f"unicache keep {ratio}",
+                     "image_slots": max(held)})
+    stock = rows[0]["image_slots"]
+    for row in rows:
+        row["bytes"] = row["image_slots"] * slot_bytes(model)
+        row["ratio_vs_stock"] = round(row["image_slots"] / stock, 3)
+    return rows
+
+
+def capacity(model: Path, config: Path, ratio: float, stream: int, log_dir: Path) -> list[dict]:
+    pool = 8 * (256 + 24)
+    rows = []
+    for method in (None, "knorm"):
+        flags = flags_for(method, ratio, config) + ["--max-total-tokens", str(pool)]
+        server = start_server(model, flags, log_dir / "capacity.log")
+        try:
+            for i in range(stream):
+                chat(server, image_chat(image(100 + i), "what colour is it?", max_tokens=1))
+            resident = 0
+            for i in reversed(range(stream)):  # newest first: a hit refreshes only itself
+                out = chat(server, image_chat(image(100 + i), "what colour is it?", max_tokens=1))
+                if out["usage"]["prompt_tokens_details"]["cached_tokens"] < 16:
+                    break
+                resident += 1
+        finally:
+            server.stop()
+        rows.append({"server": "stock" if method is None else f"unicache keep {ratio}",
+                     "pool_tokens": pool, "images_streamed": stream,
+                     "images_resident": resident})
+    rows[1]["ratio_vs_stock"] = round(rows[1]["images_resident"] / max(rows[0]["images_resident"],
+                                                                        1), 2)
+    return rows
+
+
+def overhead(model: Path, config: Path, methods: list[str], ratio: float, log_dir: Path,
+             requests: int = 6) -> list[dict]:
+    rows = []
+    for method in methods:
+        server = start_server(model, flags_for(method, ratio, config), log_dir / "overhead.log")
+        try:
+            for i in range(requests):
+                chat(server, image_chat(image(200 + i), "what colour is it?", max_tokens=2))
+            stats = internal_state(server)["unicache"]
+        finally:
+            server.stop()
+        rows.append({"method": method, "keep_ratio": ratio,
+                     "prefill_ms": round(1000 * stats["prefill_seconds"] / requests, 1),
+                     "compress_ms": round(1000 * stats["compress_seconds"] / requests, 1),
+                     "overhead_share": round(stats["compress_seconds"]
+                                             / max(stats["prefill_seconds"], 1e-9), 3)})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="checkpoint (default: the tiny Qwen2-VL at 448 px)")
+    parser.add_argument("--ratios", default="0.05,0.1,0.25,0.5")
+    parser.add_argument("--methods", default="knorm,snapkv,h2o,pyramidkv,aircache,unicache")
+    parser.add_argument("--stream", type=int, default=40)
+    parser.add_argument("--out", default="runs/perf.json")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp())
+    model = Path(args.model) if args.model else build_tiny_qwen2_vl(
+        work / "tiny-qwen2-vl", image_size=IMAGE_SIZE)
+    config = work / "policy.json"
+    config.write_text(json.dumps({"selfcheck": False}))
+    log_dir = Path("runs/perf-logs")
+    start = time.perf_counter()
+    results = {
+        "memory": memory_per_image(model, config, [float(r) for r in args.ratios.split(",")],
+                                   log_dir),
+        "capacity": capacity(model, config, 0.1, args.stream, log_dir),
+        "overhead": overhead(model, config, args.methods.split(","), 0.1, log_dir),
+    }
+    results["seconds"] = round(time.perf_counter() - start)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    for name in ("memory", "capacity", "overhead"):
+        print(f"\n## {name}")
+        rows = results[name]
+        keys = list(rows[0])
+        print("| " + " | ".join(keys) + " |")
+        print("|" + "---|" * len(keys))
+        for row in rows:
+            print("| " + " | ".join(str(row.get(k, "")) for k in keys) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Render the configuration reference (``docs/configuration.md``) from ``UniCacheConfig``.
+
+The reference is generated from the dataclass (fields, defaults, section headers and field
+comments in ``config.py``) so it cannot drift; a unit test fails when the committed file is stale.
+
+    python -m sglang_unicache.config_doc > docs/configuration.md
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+
+from sglang_unicache.config import PRESETS, UniCacheConfig
+
+_FIELD = re.compile(r"^\s{4}(\w+): [^=]+=\s*(.+?)(?:\s+#\s*(.*))?$")
+_SECTION = re.compile(r"^\s{4}# -- (.+?) -+$")
+
+
+def render() -> str:
+    defaults = {f.name: f.default for f in dataclasses.fields(UniCacheConfig)}
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from `sglang_unicache/config.py` by `python -m sglang_unicache.config_doc`;",
+        "do not edit by hand. Pass any key in a JSON or YAML file with `--unicache-config PATH`",
+        "(flags `--unicache-method`, `--unicache-keep-ratio`, `--unicache-min-image-tokens` win",
+        "over the file). Unknown keys and out-of-range values stop the server with one line.",
+        "",
+    ]
+    for line in inspect.getsource(UniCacheConfig).splitlines():
+        section = _SECTION.match(line)
+        if section:
+            lines += ["", f"## {section.group(1)}", "", "| key | default | meaning |",
+                      "| --- | --- | --- |"]
+            continue
+        field = _FIELD.match(line)
+        if field and field.group(1) in defaults:
+            name, _, comment = field.groups()
+            lines.append(f"| `{name}` | `{defaults[name]!r}` | {comment or ''} |")
+    lines += ["", "## Presets (seed §8.2)", "", "| preset | overrides |", "| --- | --- |"]
+    for name, overrides in PRESETS.items():
+        shown = ", ".join(f"`{k}={v}`" for k, v in overrides.items()) or "none"
+        lines.append(f"| `{name}` | {shown} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")
