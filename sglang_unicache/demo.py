@@ -16,6 +16,7 @@ from pathlib import Path
 
 import requests
 
+from sglang_unicache.testing.client import internal_state
 from sglang_unicache.testing.images import data_url, solid_png
 from sglang_unicache.testing.server import start_server
 
@@ -36,6 +37,8 @@ QUESTIONS = [
     "What is at the top left?",
     "How many objects are there?",
 ]
+
+IMAGE_TOKENS = 64  # a 224 px image: (224 / 28) ** 2 merged visual tokens
 
 
 def step(message: str) -> None:
@@ -85,7 +88,7 @@ def run_conversations(url: str, n_images: int, turns: int) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'image':>5} {'turn':>4} {'prompt':>6} {'image tok':>9} {'cached':>6} {'s':>6}")
+    print(f"\n{'image':>5} {'turn':>4} {'prompt':>6} {'image KV':>9} {'cached':>6} {'s':>6}")
     for r in rows:
         print(
             f"{r['image']:>5} {r['turn']:>4} {r['prompt']:>6} {r['image_tokens']:>9} "
@@ -99,31 +102,51 @@ def print_table(rows: list[dict]) -> None:
     )
 
 
+def print_savings(stats: dict, n_images: int, image_tokens: int) -> None:
+    compressed = stats["images_compressed"]
+    kept = image_tokens - stats["slots_freed"] // compressed if compressed else image_tokens
+    print(f"\nvisual KV slots per cached image: {kept} with --unicache vs {image_tokens} without "
+          f"({kept / image_tokens:.2f}x; {n_images} images: {n_images * kept} vs "
+          f"{n_images * image_tokens} slots)")
+    print(f"images compressed: {compressed}, slots freed: {stats['slots_freed']}, "
+          f"compressed spans reused by later turns: {stats['spans_reused']} "
+          f"(no vision encoder, no image prefill), fallbacks to full KV: {stats['fallbacks']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint directory (default: build the tiny one)")
     parser.add_argument("--images", type=int, default=4)
     parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--keep-ratio", default="0.1")
     parser.add_argument("--log", default="runs/demo-server.log")
     parser.add_argument("server_args", nargs="*", help="extra flags for the server, after --")
     args = parser.parse_args()
 
+    work = Path(tempfile.mkdtemp())
     model = args.model
     if model is None:
         from sglang_unicache.testing.tiny_vlm import build_tiny_qwen2_vl
 
-        step("building the tiny Qwen2-VL checkpoint")
-        model = build_tiny_qwen2_vl(Path(tempfile.mkdtemp()) / "tiny-qwen2-vl")
-    flags = ["--unicache", "--enable-cache-report", *args.server_args]
+        step("building the tiny Qwen2-VL checkpoint (random weights: answers are gibberish)")
+        model = build_tiny_qwen2_vl(work / "tiny-qwen2-vl")
+    # A random model's attention trips the KL self-check at any real compression, which would
+    # keep every image at full size; the demo shows the compression path itself.
+    config = work / "demo-policy.yaml"
+    config.write_text("selfcheck: false\n")
+    flags = ["--unicache", "--unicache-keep-ratio", args.keep_ratio, "--unicache-config",
+             str(config), "--enable-cache-report", *args.server_args]
     step(f"starting the SGLang server on CPU with {' '.join(flags)} (log: {args.log})")
     start = time.perf_counter()
     server = start_server(model, flags, args.log)
     step(f"server ready in {time.perf_counter() - start:.0f} s")
     try:
         rows = run_conversations(server.url, args.images, args.turns)
+        stats = internal_state(server)["unicache"]
     finally:
         server.stop()
     print_table(rows)
+    print_savings(stats, args.images, IMAGE_TOKENS)
 
 
 if __name__ == "__main__":
