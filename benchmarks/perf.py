@@ -124,6 +124,7 @@ def main() -> None:
     parser.add_argument("--ratios", default="0.05,0.1,0.25,0.5")
     parser.add_argument("--methods", default="knorm,snapkv,h2o,pyramidkv,aircache,unicache")
     parser.add_argument("--stream", type=int, default=40)
+    parser.add_argument("--parts", default="memory,capacity,overhead")
     parser.add_argument("--out", default="runs/perf.json")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp())
@@ -133,16 +134,19 @@ def main() -> None:
     config.write_text(json.dumps({"selfcheck": False}))
     log_dir = Path("runs/perf-logs")
     start = time.perf_counter()
-    results = {
-        "memory": memory_per_image(model, config, [float(r) for r in args.ratios.split(",")],
-                                   log_dir),
-        "capacity": capacity(model, config, 0.1, args.stream, log_dir),
-        "overhead": overhead(model, config, args.methods.split(","), 0.1, log_dir),
-    }
+    parts = args.parts.split(",")
+    results = {}
+    if "memory" in parts:
+        results["memory"] = memory_per_image(model, config,
+                                             [float(r) for r in args.ratios.split(",")], log_dir)
+    if "capacity" in parts:
+        results["capacity"] = capacity(model, config, 0.1, args.stream, log_dir)
+    if "overhead" in parts:
+        results["overhead"] = overhead(model, config, args.methods.split(","), 0.1, log_dir)
     results["seconds"] = round(time.perf_counter() - start)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
-    for name in ("memory", "capacity", "overhead"):
+    for name in parts:
         print(f"\n## {name}")
         rows = results[name]
         keys = list(rows[0])

@@ -22,7 +22,7 @@ HOOKS = (
     ("sglang.srt.layers.attention.base_attn_backend.AttentionBackend.forward",
      "around_attention_forward", "AROUND"),
     ("sglang.srt.mem_cache.common.checkpoint_kv_cache", "around_checkpoint_kv_cache", "AROUND"),
-    ("sglang.srt.mem_cache.common.release_kv_cache", "after_release_kv_cache", "AFTER"),
+    ("sglang.srt.mem_cache.common.release_kv_cache", "around_release_kv_cache", "AROUND"),
     ("sglang.srt.managers.schedule_batch.Req.reset_for_retract", "after_reset_for_retract",
      "AFTER"),
     ("sglang.srt.managers.schedule_batch.Req.init_next_round_input",

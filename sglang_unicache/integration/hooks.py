@@ -131,8 +131,15 @@ def after_get_image_feature(result: Any, *args: Any, **kwargs: Any) -> Any:
     return result
 
 
-def after_release_kv_cache(result: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-    if _controller is not None and req.finished():
+def around_release_kv_cache(original: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """A request that finished with its prefill (e.g. max_tokens=1) is compressed before its KV
+    enters the tree, like one that goes on decoding."""
+    if _controller is None:
+        return original(req, *args, **kwargs)
+    _controller.on_checkpoint(req)
+    _publish()
+    result = original(req, *args, **kwargs)
+    if req.finished():
         _controller.on_release(req)
     return result
 

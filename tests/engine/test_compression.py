@@ -80,6 +80,17 @@ def test_compressed_request_holds_n_minus_k_fewer_slots(stock, compressing):
     assert held["stock"] - held["unicache"] == IMAGE_TOKENS - KEPT
 
 
+def test_request_finishing_at_prefill_enters_the_tree_compressed(stock, compressing):
+    body = image_chat(solid_png((66, 6, 166)), "what colour is it?", max_tokens=1)
+    held = {}
+    for name, server in (("stock", stock), ("unicache", compressing)):
+        flush_cache(server)
+        before = available_slots(server)
+        assert chat(server, body)["usage"]["completion_tokens"] == 1
+        held[name] = before - available_slots(server)
+    assert held["stock"] - held["unicache"] == IMAGE_TOKENS - KEPT
+
+
 def test_batched_workload_compresses_every_image_and_leaks_nothing(compressing):
     flush_cache(compressing)
     baseline = available_slots(compressing)
