@@ -21,7 +21,7 @@ class UniCacheStartupError(SystemExit):
         super().__init__(f"error: {message}")
 
 
-def _checked_config(server_args: Any, config: Any) -> Any:
+def _prepare_config(server_args: Any, config: Any) -> Any:
     if config is not None:
         reason = unsupported_setup(server_args, local_hf_config(server_args.model_path))
         if reason:
@@ -42,7 +42,7 @@ def after_add_cli_args(result: Any, parser: Any) -> Any:
 def around_from_cli_args(original: Any, cls: Any, args: Any) -> Any:
     server_args = original(cls, args)
     try:
-        config = _checked_config(server_args, flags.config_from_namespace(args))
+        config = _prepare_config(server_args, flags.config_from_namespace(args))
     except flags.UniCacheFlagError as exc:
         raise UniCacheStartupError(str(exc)) from None
     flags.attach(server_args, config)
@@ -58,7 +58,7 @@ def make_engine_server_args(**kwargs: Any) -> Any:
 
     config = flags.pop_engine_kwargs(kwargs)
     server_args = ServerArgs(**kwargs)
-    flags.attach(server_args, _checked_config(server_args, config))
+    flags.attach(server_args, _prepare_config(server_args, config))
     return server_args
 
 
@@ -74,6 +74,9 @@ def after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any)
     reason = unsupported_setup(scheduler.server_args, hf_config)
     if reason:
         raise flags.UniCacheFlagError(reason)
+    if getattr(scheduler, "enable_overlap", False):
+        # Only reachable with a hand-built ServerArgs; the flag paths turn overlap off.
+        raise flags.UniCacheFlagError("--unicache needs --disable-overlap-schedule")
     allocator = scheduler.token_to_kv_pool_allocator
     _controller = Controller(config, scheduler.req_to_token_pool.req_to_token,
                              allocator.get_kvcache(), allocator)
