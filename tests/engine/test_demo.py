@@ -1,0 +1,26 @@
+"""The README's main job runs end to end and reports what compression saved."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from sglang_unicache.testing.server import cpu_env
+
+
+def test_demo_reports_savings_and_reuse(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_unicache.demo", "--images", "2", "--turns", "2",
+         "--log", str(tmp_path / "demo-server.log")],
+        capture_output=True, text=True, timeout=600, env=cpu_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    slots = re.search(r"visual KV slots per cached image: (\d+) with --unicache vs (\d+) without",
+                      out)
+    assert slots, out[-2000:]
+    assert int(slots.group(1)) < int(slots.group(2))
+    reused = re.search(r"compressed spans reused by later turns: (\d+)", out)
+    assert reused and int(reused.group(1)) >= 2, out[-2000:]
+    assert "fallbacks to full KV: 0" in out
