@@ -31,12 +31,16 @@ class QueryCapture:
 
     targets: list[CaptureTarget]
     index: torch.Tensor  # [sum W] int64 rows, in target order
+    starts: dict[str, int]  # rid -> first row of its queries in ``index``
     queries: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def for_targets(cls, targets: list[CaptureTarget], device) -> QueryCapture:
-        rows = [r for t in targets for r in t.rows]
-        return cls(targets, torch.tensor(rows, dtype=torch.int64, device=device))
+        rows, starts = [], {}
+        for target in targets:
+            starts[target.rid] = len(rows)
+            rows += target.rows
+        return cls(targets, torch.tensor(rows, dtype=torch.int64, device=device), starts)
 
     def record(self, layer_id: int, q: torch.Tensor, head_dim: int) -> None:
         q = q.reshape(q.shape[0], -1, head_dim)
@@ -44,7 +48,7 @@ class QueryCapture:
 
     def queries_of(self, target: CaptureTarget) -> list[torch.Tensor]:
         """Per layer ``[W, Hq, D]`` for one target, in layer order."""
-        start = sum(len(t.rows) for t in self.targets[: self.targets.index(target)])
+        start = self.starts[target.rid]
         stop = start + len(target.rows)
         return [self.queries[layer][start:stop] for layer in sorted(self.queries)]
 

@@ -69,14 +69,6 @@ class Pending:
 
 
 @dataclass
-class Record:
-    """A request whose ids carry compressed spans: it compressed them itself, or reuses them."""
-
-    rewrite: Rewrite
-    reused: bool
-
-
-@dataclass
 class Controller:
     config: UniCacheConfig
     req_to_token: torch.Tensor
@@ -84,7 +76,8 @@ class Controller:
     allocator: object
     stats: Stats = field(default_factory=Stats)
     pending: dict[str, Pending] = field(default_factory=dict)
-    records: dict[str, Record] = field(default_factory=dict)
+    # Requests whose ids carry compressed spans (compressed themselves or reusing), to undo.
+    records: dict[str, Rewrite] = field(default_factory=dict)
     capture: QueryCapture | None = None
     metrics: object | None = None  # metrics.Metrics with --enable-metrics
     # (image pad id, span start, span length) -> entries kept, for spans compressed so far: what
@@ -222,7 +215,7 @@ class Controller:
             self.known_spans[(pads[span.start], span.start, span.end - span.start)] = result.kept
         while len(self.known_spans) > MAX_KNOWN_SPANS:
             self.known_spans.popitem(last=False)
-        self.records[req.rid] = Record(rewrite(req, spans), reused=False)
+        self.records[req.rid] = rewrite(req, spans)
         req.extend_end -= removed
         req.kv.kv_committed_len -= removed
         req.kv.kv_allocated_len -= removed
@@ -246,7 +239,7 @@ class Controller:
         """
         record = self.records.pop(req.rid, None)
         if record is not None:
-            restore(req, record.rewrite)
+            restore(req, record)
         if not self.active or req.kv.holds_kv or req.is_retracted:
             match()  # a retracted request is prefilled again from its own tokens
             return
@@ -256,7 +249,7 @@ class Controller:
             if kept is not None:
                 candidates.append(SpanRewrite(start, end, self.compressed_ids(pad, start, kept)))
         while candidates:
-            record = Record(rewrite(req, candidates), reused=True)
+            record = rewrite(req, candidates)
             match()
             removed_before, covered = 0, []
             for span in candidates:
@@ -267,7 +260,7 @@ class Controller:
                 self.records[req.rid] = record
                 self.stats.spans_reused += len(covered)
                 return
-            restore(req, record.rewrite)
+            restore(req, record)
             candidates = covered  # a prefix of the candidates: the tree matched that far
         match()
 
@@ -275,7 +268,7 @@ class Controller:
     def on_retract(self, req) -> None:
         record = self.records.pop(req.rid, None)
         if record is not None:
-            restore(req, record.rewrite)
+            restore(req, record)
 
     def on_release(self, req) -> None:
         self.records.pop(req.rid, None)
