@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export SGLANG_PLATFORM ?= unicache_cpu
 
-.PHONY: setup demo test lint format bench
+.PHONY: setup demo test lint format bench quality
 
 setup: $(VENV)/.installed
 
@@ -24,3 +24,23 @@ lint: setup
 
 format: setup
 	$(VENV)/bin/ruff format sglang_unicache tests benchmarks examples
+
+# ~25 minutes on the 2-core machine: perf.py, all six parts against stock SGLang (~23 min, mostly
+# the 17 server starts), then bench_policy.py (~2 min). Results: runs/perf.json, logs runs/perf-logs.
+bench: setup
+	$(PY) benchmarks/perf.py --out runs/perf.json
+	$(PY) benchmarks/bench_policy.py --reps 2 --dtype bf16
+
+# Quality vs keep ratio (issue 6): the transformers reference on 40 items per setting, then
+# eval_serving.py for full + 7 methods x 5 keep ratios, reuse and long settings (36 server starts:
+# an estimate of one to two hours on the 2-core machine), then the tables, target checks and plots.
+# Results: runs/quality.json, runs/quality.md, docs/img/quality-{reuse,long}.png.
+QUALITY_MODEL ?= benchmarks/quality/checkpoints/tiny-vqa-qwen2-vl
+quality: setup
+	$(VENV)/bin/pip install -q -e '.[test,bench]'
+	$(PY) benchmarks/quality/eval_serving.py --model $(QUALITY_MODEL) \
+		--methods full,random,knorm,h2o,snapkv,pyramidkv,aircache,unicache \
+		--ratios 0.01,0.05,0.1,0.25,0.5 --settings reuse,long --transformers-check 40 \
+		--out runs/quality.json
+	$(PY) benchmarks/quality/report.py runs/quality.json --plot-dir docs/img \
+		--markdown runs/quality.md

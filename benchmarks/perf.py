@@ -10,7 +10,10 @@ estimated.
 5. overhead: time from prefill end to compressed cache (score capture + policy + compaction) as a
    share of the prefill forward, per method.
 
-    python benchmarks/perf.py --out runs/perf.json          # ~10 minutes on 2 CPU cores
+3, 4 and 6 (workload, decode, concurrency: the serving workload) are in ``perf_workload.py``.
+
+    python benchmarks/perf.py --out runs/perf.json          # all parts: ~23 minutes on 2 CPU cores
+    python benchmarks/perf.py --parts memory,capacity,overhead   # ~10 minutes
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import json
 import tempfile
 import time
 from pathlib import Path
+
+from perf_workload import concurrency, decode, workload
 
 from sglang_unicache.testing.client import (
     available_slots,
@@ -125,7 +130,14 @@ def main() -> None:
     parser.add_argument("--ratios", default="0.05,0.1,0.25,0.5")
     parser.add_argument("--methods", default="knorm,snapkv,h2o,pyramidkv,aircache,unicache")
     parser.add_argument("--stream", type=int, default=80)
-    parser.add_argument("--parts", default="memory,capacity,overhead")
+    parser.add_argument("--parts", default="memory,capacity,overhead,workload,decode,concurrency")
+    parser.add_argument("--method", default="knorm", help="plugin method of the workload parts")
+    parser.add_argument("--images", type=int, default=24, help="workload: distinct images")
+    parser.add_argument("--conversations", type=int, default=48, help="workload: conversations")
+    parser.add_argument("--turns", type=int, default=3, help="workload: turns per conversation")
+    parser.add_argument("--clients", type=int, default=8, help="workload: concurrent clients")
+    parser.add_argument("--decode-batch", type=int, default=8, help="decode: concurrent requests")
+    parser.add_argument("--max-batch", type=int, default=64, help="concurrency: largest b tried")
     parser.add_argument("--out", default="runs/perf.json")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp())
@@ -144,6 +156,16 @@ def main() -> None:
         results["capacity"] = capacity(model, config, 0.1, args.stream, log_dir)
     if "overhead" in parts:
         results["overhead"] = overhead(model, config, args.methods.split(","), 0.1, log_dir)
+    servers = {"stock": flags_for(None, 0.1, config),
+               f"unicache {args.method} keep 0.1": flags_for(args.method, 0.1, config)}
+    if "workload" in parts:
+        results["workload"] = workload(model, servers, log_dir, images=args.images,
+                                       conversations=args.conversations, turns=args.turns,
+                                       concurrency=args.clients)
+    if "decode" in parts:
+        results["decode"] = decode(model, servers, log_dir, batch=args.decode_batch)
+    if "concurrency" in parts:
+        results["concurrency"] = concurrency(model, servers, log_dir, max_batch=args.max_batch)
     results["seconds"] = round(time.perf_counter() - start)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))

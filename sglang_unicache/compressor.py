@@ -52,15 +52,16 @@ from .types import (
 
 Tensor = torch.Tensor
 
-__all__ = ["Method", "execute", "select", "plan"]
+__all__ = ["Method", "execute", "plan", "select", "selection_key"]
 
 
-def select(scores: Tensor, k: int, forced: Tensor, n_recent: int = 0, n_anchor: int = 0) -> Tensor:
-    """Top-``k`` span tokens per head, ``[H, k]`` int64 ascending.
-
-    Priority: ``forced`` (``[N]`` bool, protected) > the last ``n_recent`` tokens > ``n_anchor``
-    evenly spaced anchors > score (min-max normalised per head, so tiers never mix).
-    """
+def selection_key(
+    scores: Tensor, forced: Tensor, n_recent: int = 0, n_anchor: int = 0
+) -> Tensor:
+    """``[H, N]`` priority of every span token: ``forced`` (``[N]`` bool, protected) > the last
+    ``n_recent`` tokens > ``n_anchor`` evenly spaced anchors > score (min-max normalised per head,
+    so tiers never mix). :func:`select` keeps the top K; a later re-compression of the kept
+    entries (:mod:`sglang_unicache.shrink`) keeps the top of the same order."""
     h, n = scores.shape
     key = masked_minmax(
         scores.float().nan_to_num(0.0), torch.ones(n, dtype=torch.bool, device=scores.device)
@@ -71,7 +72,12 @@ def select(scores: Tensor, k: int, forced: Tensor, n_recent: int = 0, n_anchor: 
     if n_anchor > 0:
         idx = ((torch.arange(n_anchor, device=scores.device) + 0.5) * (n / n_anchor)).long()
         tier[idx.clamp_max(n - 1)] += 2.0
-    key = key + tier.unsqueeze(0)
+    return key + tier.unsqueeze(0)
+
+
+def select(scores: Tensor, k: int, forced: Tensor, n_recent: int = 0, n_anchor: int = 0) -> Tensor:
+    """Top-``k`` span tokens per head by :func:`selection_key`, ``[H, k]`` int64 ascending."""
+    key = selection_key(scores, forced, n_recent, n_anchor)
     return torch.topk(key, k, dim=1).indices.sort(dim=1).values
 
 
@@ -190,7 +196,8 @@ class Method:
             s = scores[li][:, seg.start : seg.end]
             n_recent = round(self.recent_fraction * k) if not skipped else 0
             n_anchor = round(self.anchor_fraction * k) if not skipped else 0
-            kept = select(s, k, forced, n_recent, n_anchor)
+            key = selection_key(s, forced, n_recent, n_anchor)
+            kept = torch.topk(key, k, dim=1).indices.sort(dim=1).values
             assign, weight = self.reducer.reduce(ctx, li, seg, kept, s)
             hm = ctx.head_merge(li)
             layers.append(
@@ -202,6 +209,7 @@ class Method:
                     None if hm is None else hm[0],
                     None if hm is None else hm[1],
                     merges=self.reducer.merges,
+                    priority=key.gather(1, kept),
                 )
             )
         report = byte_report(ctx, seg, layers, protected, cfg.quantization)

@@ -146,6 +146,14 @@ class UniCacheConfig:
     complexity_low: float = 8.0  # complexity mapped to dynamic_rate_max (ours)
     complexity_high: float = 18.0  # complexity mapped to dynamic_rate_min (ours)
 
+    # -- re-compression under memory pressure (issue 5, ours) ---------------------------------
+    # Before the radix cache evicts a cached compressed span, it shrinks it to this fraction of
+    # its entries (lowest selection priority dropped, protected entries kept), down to a floor
+    # of recompress_floor x the original span length; only a span at its floor is evicted.
+    recompress: bool = True
+    recompress_factor: float = 0.5
+    recompress_floor: float = 0.02
+
     # -- AirCache (seed 001) and baselines -----------------------------------------------------
     aircache_alpha: float = 0.9
     aircache_floor: float = 0.1  # added to normalised layer scores before rescaling (ours)
@@ -195,8 +203,10 @@ class UniCacheConfig:
             "aircache_alpha",
             "aircache_floor",
             "h2o_recent_fraction",
+            "recompress_floor",
         ):
             _unit(name, getattr(self, name))
+        _unit("recompress_factor", self.recompress_factor, low_open=True, high_open=True)
         _unit("anchor_fraction", self.anchor_fraction, high_open=True)
         if not (math.isfinite(self.kl_threshold) and self.kl_threshold > 0):
             raise ValueError(

@@ -174,6 +174,9 @@ class LayerPlan:
         the weighted mean of the heads with the same ``head_map`` id. None when head merging is off.
     merges: False when no entry has more than one member (eviction only): the executor then only
         gathers. Set from the reducer's capability, so no device sync is needed to know it.
+    priority: ``[H, K]`` float32 selection priority of each kept entry (protected entries rank
+        above every other; see ``compressor.selection_key``): the order a later re-compression
+        to a smaller budget drops entries in. None for plans built by hand.
     """
 
     kept: Tensor
@@ -183,6 +186,7 @@ class LayerPlan:
     head_map: Tensor | None = None
     head_weight: Tensor | None = None
     merges: bool = True
+    priority: Tensor | None = None
 
     @property
     def num_kept(self) -> int:
@@ -202,6 +206,7 @@ class LayerPlan:
             "head_map": _cpu(self.head_map),
             "head_weight": _cpu(self.head_weight),
             "merges": self.merges,
+            "priority": _cpu(self.priority),
         }
 
     @classmethod
@@ -214,6 +219,7 @@ class LayerPlan:
             d.get("head_map"),
             d.get("head_weight"),
             bool(d.get("merges", True)),
+            d.get("priority"),
         )
 
 

@@ -10,8 +10,16 @@ answers. Two settings (DESIGN.md §6):
 - ``long``: first requests whose answers take several tokens, scored on the whole answer, so
   compression during decoding shows.
 
+Images use the checkpoint's grid (``grid`` in ``<model>/training_args.json``, else 16; ``--grid``
+overrides). ``--transformers-check N`` first answers the first N scored items of each setting with
+the same checkpoint through plain transformers (:mod:`sglang_unicache.eval.hf_reference`) and
+stores them as method ``transformers`` (keep ratio 1.0), to compare with the server's ``full``.
+Every setting's score also lists ``correct`` per item, in item order, so the two can be compared
+on the same items (``benchmarks/quality/report.py`` does).
+
     python benchmarks/quality/eval_serving.py --model runs/tiny-vqa-qwen2-vl \\
-        --methods full,random,knorm,snapkv,unicache --ratios 0.1 --images 40 --out runs/q.json
+        --methods full,random,knorm,snapkv,unicache --ratios 0.1 --images 40 --out runs/q.json \\
+        --transformers-check 40
 """
 
 from __future__ import annotations
@@ -53,11 +61,31 @@ def score(rows: list[dict]) -> dict:
         by_type[row["qtype"]].append(row["correct"])
     overall = [r["correct"] for r in rows]
     return {"accuracy": sum(overall) / max(len(overall), 1), "n": len(overall),
-            "by_type": {k: sum(v) / len(v) for k, v in sorted(by_type.items())}}
+            "by_type": {k: sum(v) / len(v) for k, v in sorted(by_type.items())},
+            "correct": [int(c) for c in overall]}
 
 
-def run_reuse(server, images: int, questions: int, seed: int) -> tuple[dict, int]:
-    items = make_split("test", images, questions, seed=seed, qtypes=REUSE_QTYPES)
+def checkpoint_grid(model: str) -> int:
+    """``grid`` the checkpoint was trained with (``training_args.json``), else 16."""
+    path = Path(model) / "training_args.json"
+    if path.is_file():
+        grid = json.loads(path.read_text()).get("grid")
+        if grid:
+            return int(grid)
+    return 16
+
+
+def reuse_items(images: int, questions: int, seed: int, grid: int) -> list:
+    return make_split("test", images, questions, seed=seed, grid=grid, qtypes=REUSE_QTYPES)
+
+
+def long_items(images: int, seed: int, grid: int) -> list:
+    return make_split("test", images, 1, seed=seed + 1, grid=grid,
+                      qtypes=LONG_ANSWER_QTYPES[::2])
+
+
+def run_reuse(server, images: int, questions: int, seed: int, grid: int) -> tuple[dict, int]:
+    items = reuse_items(images, questions, seed, grid)
     rows, reused = [], 0
     for start in range(0, len(items), questions):
         group = items[start:start + questions]
@@ -71,13 +99,36 @@ def run_reuse(server, images: int, questions: int, seed: int) -> tuple[dict, int
     return score(rows), reused
 
 
-def run_long(server, images: int, seed: int) -> dict:
-    items = make_split("test", images, 1, seed=seed + 1, qtypes=LONG_ANSWER_QTYPES[::2])
+def run_long(server, images: int, seed: int, grid: int) -> dict:
+    items = long_items(images, seed, grid)
     rows = []
     for item in items:
         flush_cache(server)
         rows.append({"qtype": item.qtype, "correct": ask(server, item, 16) == item.answer})
     return score(rows)
+
+
+def run_transformers(args, settings: list[str]) -> dict:
+    """The ``transformers`` entry: the first ``args.transformers_check`` scored items of each
+    setting, answered by the checkpoint through transformers with the server's token limits."""
+    from sglang_unicache.eval.hf_reference import hf_answers
+
+    n = args.transformers_check
+    start = time.perf_counter()
+    entry = {"method": "transformers", "keep_ratio": 1.0, "items_per_setting": n}
+    jobs = []
+    if "reuse" in settings:
+        scored = [it for it in reuse_items(args.images, args.questions, args.seed, args.grid)
+                  if it.question_index >= 1]
+        jobs.append(("reuse", scored[:n], 4))
+    if "long" in settings:
+        jobs.append(("long", long_items(args.images, args.seed, args.grid)[:n], 16))
+    for setting, items, max_tokens in jobs:
+        answers = hf_answers(args.model, items, max_new_tokens=max_tokens)
+        entry[setting] = score([{"qtype": it.qtype, "correct": got == it.answer}
+                                for it, got in zip(items, answers, strict=True)])
+    entry["seconds"] = round(time.perf_counter() - start, 1)
+    return entry
 
 
 def main() -> None:
@@ -90,15 +141,37 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=40)
     parser.add_argument("--questions", type=int, default=5, help="per image (reuse setting)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--grid", type=int, default=None,
+                        help="cells per side of the test images (default: the checkpoint's "
+                             "training_args.json grid, else 16)")
+    parser.add_argument("--transformers-check", type=int, default=0, metavar="N",
+                        help="before serving, score the first N scored items of each setting "
+                             "with transformers (method 'transformers'); 0 skips it")
     parser.add_argument("--selfcheck", action="store_true",
                         help="keep the KL self-check on (default off: score the method itself)")
     parser.add_argument("--out", default="runs/quality.json")
     args = parser.parse_args()
+    if args.grid is None:
+        args.grid = checkpoint_grid(args.model)
+    print(f"test images: grid {args.grid} ({args.grid * 28} px, {args.grid ** 2} visual tokens)",
+          flush=True)
 
     config = Path(tempfile.mkdtemp()) / "policy.json"
     config.write_text(json.dumps({"selfcheck": bool(args.selfcheck)}))
     settings = args.settings.split(",")
     results = []
+
+    def save() -> None:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+    if args.transformers_check > 0:
+        entry = run_transformers(args, settings)
+        results.append(entry)
+        print(json.dumps({k: ({s: v for s, v in val.items() if s != "correct"}
+                              if isinstance(val, dict) else val) for k, val in entry.items()}),
+              flush=True)
+        save()
     for method in args.methods.split(","):
         ratios = ["1.0"] if method == "full" else args.ratios.split(",")
         for ratio in ratios:
@@ -110,17 +183,18 @@ def main() -> None:
                 entry = {"method": method, "keep_ratio": float(ratio)}
                 if "reuse" in settings:
                     entry["reuse"], entry["spans_reused"] = run_reuse(
-                        server, args.images, args.questions, args.seed)
+                        server, args.images, args.questions, args.seed, args.grid)
                 if "long" in settings:
-                    entry["long"] = run_long(server, args.images, args.seed)
+                    entry["long"] = run_long(server, args.images, args.seed, args.grid)
                 entry["stats"] = internal_state(server).get("unicache", {})
             finally:
                 server.stop()
             entry["seconds"] = round(time.perf_counter() - start, 1)
             results.append(entry)
-            print(json.dumps({k: v for k, v in entry.items() if k != "stats"}), flush=True)
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(results, indent=1))
+            print(json.dumps({k: ({s: v for s, v in val.items() if s != "correct"}
+                                  if k in ("reuse", "long") else val)
+                              for k, val in entry.items() if k != "stats"}), flush=True)
+            save()
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from sglang_unicache.eval.hf_reference import hf_answers
 from sglang_unicache.eval.vqa_data import (
     COLOURS,
     DEFAULT_QTYPES,
@@ -70,32 +71,94 @@ def prompt_text(tokenizer, question: str) -> str:
 def encode(processor, items: list[VQAItem]) -> dict:
     """Processor inputs for prompt + answer + ``<|im_end|>``, right-padded, with ``labels``
     (-100 except the answer tokens and the closing ``<|im_end|>``)."""
+    return encode_conversations(processor, [[it] for it in items])
+
+
+def conversation_text(tokenizer, items: list[VQAItem]) -> str:
+    """One chat about one image: the first user turn holds the image and ``items[0]``'s question,
+    each later turn one more question; every assistant turn is closed by ``<|im_end|>``."""
+    text = ""
+    for k, it in enumerate(items):
+        content = [{"type": "text", "text": it.question}]
+        if k == 0:
+            content.insert(0, {"type": "image"})
+        turn = tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                             add_generation_prompt=True, tokenize=False)
+        text += ("\n" if k else "") + turn + it.answer + tokenizer.eos_token
+    return text
+
+
+def encode_conversations(processor, chats: list[list[VQAItem]]) -> dict:
+    """Processor inputs for one conversation per image (see :func:`conversation_text`),
+    right-padded, with ``labels`` on every answer and its closing ``<|im_end|>`` (-100 elsewhere).
+    A batch of one-question chats is exactly the single-turn serving prompt plus its answer."""
     tok = processor.tokenizer
     tok.padding_side = "right"
-    texts = [prompt_text(tok, it.question) + it.answer + tok.eos_token for it in items]
-    batch = processor(text=texts, images=[it.image for it in items], padding=True,
+    texts = [conversation_text(tok, chat) for chat in chats]
+    batch = processor(text=texts, images=[chat[0].image for chat in chats], padding=True,
                       return_tensors="pt")
-    labels = torch.full_like(batch["input_ids"], -100)
-    lengths = batch["attention_mask"].sum(1).tolist()
-    for b, it in enumerate(items):
-        answer_ids = tok(it.answer + tok.eos_token, add_special_tokens=False)["input_ids"]
-        end = int(lengths[b])
-        start = end - len(answer_ids)
-        got = batch["input_ids"][b, start:end].tolist()
-        if got != answer_ids:  # the answer must tokenize the same in context and alone
-            raise ValueError(f"answer tokenization differs in context: {got} vs {answer_ids}")
-        labels[b, start:end] = batch["input_ids"][b, start:end]
+    ids = batch["input_ids"]
+    labels = torch.full_like(ids, -100)
+    marker = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    for b, chat in enumerate(chats):
+        row = ids[b].tolist()
+        starts = [i + len(marker) for i in range(len(row) - len(marker) + 1)
+                  if row[i:i + len(marker)] == marker]
+        if len(starts) != len(chat):
+            raise ValueError(f"{len(starts)} assistant turns found for {len(chat)} questions")
+        for start, it in zip(starts, chat, strict=True):
+            answer_ids = tok(it.answer + tok.eos_token, add_special_tokens=False)["input_ids"]
+            got = row[start:start + len(answer_ids)]
+            if got != answer_ids:  # the answer must tokenize the same in context and alone
+                raise ValueError(f"answer tokenization differs in context: {got} vs {answer_ids}")
+            labels[b, start:start + len(answer_ids)] = ids[b, start:start + len(answer_ids)]
     batch["labels"] = labels
     return dict(batch)
 
 
-class AuxHeads(torch.nn.Module):
-    """Per-merged-token colour and shape classifiers (class 0 = background)."""
+def next_chats(stream, batch: int, questions: int) -> list[list[VQAItem]]:
+    """``batch`` conversations of up to ``questions`` turns, each about one fresh image."""
+    chats: list[list[VQAItem]] = []
+    current: list[VQAItem] = []
+    while len(chats) < batch:
+        item = next(stream)
+        if current and item.image_id != current[0].image_id:
+            chats.append(current)
+            current = []
+        current.append(item)
+        if len(current) == questions:
+            chats.append(current)
+            current = []
+    return chats
 
-    def __init__(self, hidden: int):
+
+class AuxHeads(torch.nn.Module):
+    """Per-merged-token colour and shape classifiers (class 0 = background).
+
+    With ``embeddings`` (the LM's input embedding and the token ids of the colour / shape words
+    as questions spell them), the object classes score a cell's feature against those word
+    embeddings, so a cell holding a red circle is pulled towards ``" red"`` and ``" circle"``
+    in the LM's own input space: question words then find their cell by a plain key match and
+    attention copies a word-like value (the text-recall circuit a small LM learns fast). Without
+    it the heads are free linear classifiers.
+    """
+
+    def __init__(self, hidden: int, embeddings: tuple | None = None):
         super().__init__()
-        self.colour = torch.nn.Linear(hidden, 1 + len(COLOURS))
-        self.shape = torch.nn.Linear(hidden, 1 + len(SHAPES))
+        self.tied = embeddings
+        if embeddings is None:
+            self.colour = torch.nn.Linear(hidden, 1 + len(COLOURS))
+            self.shape = torch.nn.Linear(hidden, 1 + len(SHAPES))
+        else:
+            self.background = torch.nn.Parameter(torch.zeros(2, hidden))
+            self.bias = torch.nn.Parameter(torch.zeros(2))
+
+    def logits(self, which: int, feats: torch.Tensor) -> torch.Tensor:
+        if self.tied is None:
+            return (self.colour, self.shape)[which](feats)
+        embed, ids = self.tied[0], self.tied[1 + which]
+        classes = torch.cat([self.background[which:which + 1], embed.weight[ids]])
+        return feats @ classes.T + self.bias[which]
 
     def loss(self, feats: torch.Tensor, items: list[VQAItem]) -> tuple[torch.Tensor, float]:
         colour = torch.cat([torch.from_numpy(it.scene.cell_targets()[0]) for it in items])
@@ -104,14 +167,23 @@ class AuxHeads(torch.nn.Module):
             raise ValueError(f"{feats.shape[0]} merged tokens for {colour.shape[0]} cells")
         obj = colour > 0
         total = feats.new_zeros(())
-        for head, target in ((self.colour, colour), (self.shape, shape)):
-            ce = F.cross_entropy(head(feats), target, reduction="none")
+        for which, target in ((0, colour), (1, shape)):
+            ce = F.cross_entropy(self.logits(which, feats), target, reduction="none")
             # Balanced: background and object cells weigh the same (objects are ~2% of cells).
             total = total + ce[~obj].mean() + (ce[obj].mean() if obj.any() else 0.0)
         with torch.no_grad():
-            pred = self.colour(feats).argmax(-1)
+            pred = self.logits(0, feats).argmax(-1)
             obj_acc = (pred[obj] == colour[obj]).float().mean().item() if obj.any() else 1.0
         return total, obj_acc
+
+
+def word_ids(tokenizer, words) -> torch.Tensor:
+    """Token ids of ``words`` as they appear inside a question (after a space), one token each."""
+    ids = [tokenizer(" " + w, add_special_tokens=False)["input_ids"] for w in words]
+    if any(len(i) != 1 for i in ids):
+        spelled = dict(zip(words, ids, strict=True))
+        raise ValueError(f"dataset words must be one token each: {spelled}")
+    return torch.tensor([i[0] for i in ids])
 
 
 def forward(model, batch: dict, capture: dict):
@@ -146,27 +218,6 @@ def evaluate(model, processor, items: list[VQAItem], batch_size: int, capture: d
     return acc
 
 
-def generate_answers(model_dir: Path, items: list[VQAItem], max_new_tokens: int = 12) -> list[str]:
-    """Answers of the saved checkpoint, loaded back with transformers, greedy."""
-    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
-
-    processor = AutoProcessor.from_pretrained(model_dir)
-    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
-    answers = []
-    for it in items:
-        messages = [{"role": "user", "content": [{"type": "image"},
-                                                 {"type": "text", "text": it.question}]}]
-        text = processor.apply_chat_template(messages, add_generation_prompt=True,
-                                             tokenize=False)
-        inputs = processor(text=[text], images=[it.image], return_tensors="pt")
-        with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-        new = out[0, inputs["input_ids"].shape[1]:]
-        answers.append(processor.tokenizer.decode(new, skip_special_tokens=True).strip())
-    return answers
-
-
 def lr_at(step: int, args) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
@@ -178,7 +229,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", type=int, default=8, help="conversations (images) per step")
+    p.add_argument("--turns", type=int, default=1,
+                   help="questions per training conversation (one image, one answer per turn)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.01)
@@ -197,6 +250,8 @@ def parse_args(argv=None):
     p.add_argument("--vision-depth", type=int, default=3)
     p.add_argument("--vision-heads", type=int, default=2)
     p.add_argument("--aux-weight", type=float, default=1.0, help="0 disables the per-cell loss")
+    p.add_argument("--aux-tied", action=argparse.BooleanOptionalAction, default=True,
+                   help="score cells against the LM's word embeddings (see AuxHeads)")
     p.add_argument("--save-dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     p.add_argument("--check", type=int, default=3,
@@ -225,16 +280,21 @@ def main(argv=None) -> int:
 
     model = Qwen2VLForConditionalGeneration(config)
     model.train()
-    aux = AuxHeads(args.hidden)
+    tied = None
+    if args.aux_tied:
+        tied = (model.get_input_embeddings(), word_ids(tokenizer, list(COLOURS)),
+                word_ids(tokenizer, SHAPES))
+    aux = AuxHeads(args.hidden, tied)
     capture: dict = {}
     model.model.visual.register_forward_hook(
         lambda _m, _i, o: capture.__setitem__("vision", o.pooler_output))
-    params = list(model.parameters()) + list(aux.parameters())
+    params = list(dict.fromkeys([*model.parameters(), *aux.parameters()]))
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay,
                             betas=(0.9, 0.98))
 
-    train = iter_items("train", args.seed, grid=args.grid, questions_per_image=1, qtypes=qtypes)
+    train = iter_items("train", args.seed, grid=args.grid, questions_per_image=args.turns,
+                       qtypes=qtypes)
     val = make_split("validation", args.eval_images, args.eval_questions, seed=args.seed,
                      grid=args.grid, qtypes=qtypes)
     log_path = out / "training_log.jsonl"
@@ -248,8 +308,9 @@ def main(argv=None) -> int:
     for step in range(args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
-        items = [next(train) for _ in range(args.batch)]
-        batch = encode(processor, items)
+        chats = next_chats(train, args.batch, args.turns)
+        items = [chat[0] for chat in chats]  # one scene per sequence (the auxiliary targets)
+        batch = encode_conversations(processor, chats)
         loss, _, _, feats = forward(model, batch, capture)
         total = loss
         aux_loss, cell_acc = torch.zeros(()), float("nan")
@@ -295,7 +356,7 @@ def main(argv=None) -> int:
 
     if args.check:
         items = val[:args.check]
-        for it, got in zip(items, generate_answers(out, items), strict=True):
+        for it, got in zip(items, hf_answers(out, items), strict=True):
             print(f"[check] {it.image_id} Q: {it.question} | expected: {it.answer} | "
                   f"model: {got}", flush=True)
     return 0

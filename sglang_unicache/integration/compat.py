@@ -19,6 +19,8 @@ HOOKS = (
     ("sglang.srt.server_args.ServerArgs.from_cli_args", "around_from_cli_args", "AROUND"),
     (f"{_SCHEDULER}.__init__", "after_scheduler_init", "AFTER"),
     (f"{_SCHEDULER}.run_batch", "around_run_batch", "AROUND"),
+    ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
+     "after_forward_batch_init", "AFTER"),
     ("sglang.srt.layers.attention.base_attn_backend.AttentionBackend.forward",
      "around_attention_forward", "AROUND"),
     ("sglang.srt.mem_cache.common.checkpoint_kv_cache", "around_checkpoint_kv_cache", "AROUND"),

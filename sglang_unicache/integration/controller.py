@@ -23,7 +23,6 @@ import hashlib
 import json
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -32,17 +31,22 @@ from sglang_unicache.config import UniCacheConfig
 from sglang_unicache.integration.capture import CaptureTarget, QueryCapture
 from sglang_unicache.integration.compaction import SpanResult, compact_row, gather_prompt_kv
 from sglang_unicache.integration.rewrite import Rewrite, SpanRewrite, restore, rewrite
+from sglang_unicache.integration.spans import SpanIndex, SpanMeta
 from sglang_unicache.registry import build_method
 from sglang_unicache.types import ImageSpan, ScoreInputs
 
 logger = logging.getLogger("sglang_unicache")
+
+
+def namespace(req) -> tuple[object, object]:
+    """The radix tree's namespace of a request: spans never cross it (tenancy)."""
+    return (req.extra_key, req.cache_salt or None)
 
 # Compressed span ids live where SGLang's image pad ids do: above every vocabulary
 # (MM_PAD_SHIFT_VALUE), with 62 hash bits, so two different spans never start with the same id
 # (the radix tree tells children apart by their first token).
 COMPRESSED_ID_BASE = 1_000_000
 COMPRESSED_ID_MASK = (1 << 62) - (1 << 24)  # room for 2**24 consecutive ids, below 2**63
-MAX_KNOWN_SPANS = 1 << 16  # spans remembered for reuse (oldest forgotten first)
 
 
 @dataclass
@@ -53,6 +57,8 @@ class Stats:
     fallbacks: int = 0
     skipped_cached: int = 0
     spans_reused: int = 0
+    spans_recompressed: int = 0  # cached spans shrunk under memory pressure (radix_cache.py)
+    recompress_slots_freed: int = 0
     vision_encoder_calls: int = 0  # Qwen2-VL image encoder batches run (tests read it)
     compress_seconds: float = 0.0  # policy + compaction, summed (benchmarks read it)
     prefill_seconds: float = 0.0  # forwards of extend batches that had targets, summed
@@ -80,9 +86,12 @@ class Controller:
     records: dict[str, Rewrite] = field(default_factory=dict)
     capture: QueryCapture | None = None
     metrics: object | None = None  # metrics.Metrics with --enable-metrics
-    # (image pad id, span start, span length) -> entries kept, for spans compressed so far: what
-    # a later request needs to build the ids it looks up in the tree.
-    known_spans: OrderedDict[tuple[int, int, int], int] = field(default_factory=OrderedDict)
+    tree: object | None = None  # radix_cache.CompressedRadixCache, unless the radix cache is off
+    mrope: bool = True  # positions through M-RoPE data (Qwen2-VL); else a 1-D offset per request
+    # Spans compressed so far (what a later request needs to build the ids it looks up in the
+    # tree) and the ones a request compressed, until its KV is in the tree.
+    spans: SpanIndex = field(default_factory=SpanIndex)
+    fresh: dict[str, list[SpanMeta]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # A slot spans every layer, so every layer keeps the same number of entries: layers whose
@@ -179,12 +188,13 @@ class Controller:
             logger.info("sglang-unicache: self-check failed for %s (KL %.3f > %.3f); full KV kept",
                         req.rid, plan.selfcheck.kl, plan.selfcheck.threshold)
             return
-        results = []
+        results, plans = [], []
         for span_plan, (start, end, _) in zip(plan.image_plans(), pending.spans, strict=True):
             if span_plan.skipped:
                 continue
             compressed = self.method.execute(span_plan, keys, values)
             results.append(SpanResult(start, end, compressed.keys, compressed.values))
+            plans.append(span_plan)
         if not results:
             return
         compaction = compact_row(row, results, k_buffers, v_buffers)
@@ -192,6 +202,7 @@ class Controller:
         self.req_to_token[row_index, :length - removed] = compaction.row
         self.allocator.free(compaction.freed)
         self._rewrite_request(req, pending, results, removed)
+        self.fresh[req.rid] = self._span_metas(req, pending, results, plans, plan.selfcheck)
         self.stats.images_compressed += len(results)
         self.stats.requests_compressed += 1
         self.stats.slots_freed += removed
@@ -200,8 +211,9 @@ class Controller:
 
     def compressed_ids(self, pad_id: int, start: int, count: int) -> tuple[int, ...]:
         """Token ids of a compressed span: one per kept entry, the same for the same image at the
-        same position under the same config, so the radix tree can share the span."""
-        key = f"{pad_id}:{start}:{self.config_digest}".encode()
+        same position under the same config and budget, so the radix tree can share the span;
+        a different budget (e.g. after re-compression) gives ids that share no prefix."""
+        key = f"{pad_id}:{start}:{self.config_digest}:{count}".encode()
         digest = int.from_bytes(hashlib.sha256(key).digest()[:8], "big")
         base = COMPRESSED_ID_BASE + (digest & COMPRESSED_ID_MASK)
         return tuple(range(base, base + count))
@@ -211,10 +223,6 @@ class Controller:
         pads = {start: pad for start, _, pad in pending.spans}
         spans = [SpanRewrite(r.start, r.end, self.compressed_ids(pads[r.start], r.start, r.kept))
                  for r in results]
-        for span, result in zip(spans, results, strict=True):
-            self.known_spans[(pads[span.start], span.start, span.end - span.start)] = result.kept
-        while len(self.known_spans) > MAX_KNOWN_SPANS:
-            self.known_spans.popitem(last=False)
         self.records[req.rid] = rewrite(req, spans)
         req.extend_end -= removed
         req.kv.kv_committed_len -= removed
@@ -228,6 +236,69 @@ class Controller:
                 setattr(batch, name, lens)
         if getattr(batch, "seq_lens_sum", None) is not None:
             batch.seq_lens_sum -= removed
+
+    def _span_metas(self, req, pending: Pending, results: list[SpanResult], plans,
+                    selfcheck) -> list[SpanMeta]:
+        pads = {start: pad for start, _, pad in pending.spans}
+        row = self.req_to_token[req.kv.req_pool_idx]
+        metas, removed_before = [], 0
+        for result, span_plan in zip(results, plans, strict=True):
+            layers = span_plan.layers
+            at = result.start - removed_before
+            metas.append(SpanMeta(
+                namespace=namespace(req), pad=pads[result.start], start=result.start,
+                length=result.end - result.start,
+                ids=self.compressed_ids(pads[result.start], result.start, result.kept),
+                kept=torch.stack([lp.kept for lp in layers]).to(torch.int32).cpu(),
+                priority=torch.stack([
+                    lp.priority if lp.priority is not None
+                    else torch.zeros(lp.kept.shape) for lp in layers]).float().cpu(),
+                protected=span_plan.protected.cpu(),
+                merged=(torch.stack([lp.assign for lp in layers]).to(torch.int16).cpu()
+                        if any(lp.merges for lp in layers) else None),
+                method=span_plan.method, keep_ratio=self.config.keep_ratio,
+                selfcheck=None if selfcheck is None else selfcheck.to_dict(),
+                slots=row[at:at + result.kept].clone()))
+            removed_before += result.end - result.start - result.kept
+        return metas
+
+    def after_insert(self, req, cache) -> None:
+        """The request's KV is in the tree: index the spans it compressed itself and attach their
+        metadata to the node holding each (unless the tree already held the same span, from a
+        request that compressed the same image first: that one's metadata stays)."""
+        metas = self.fresh.pop(req.rid, None)
+        if not metas:
+            return
+        row = self.req_to_token[req.kv.req_pool_idx]
+        removed_before = 0
+        for meta in metas:
+            at = meta.start - removed_before
+            removed_before += meta.length - meta.count
+            if not torch.equal(row[at:at + meta.count], meta.slots):
+                continue  # deduplicated against the tree's copy of this span
+            meta.slots = None
+            self.spans.add(meta)
+            node = cache.node_holding(req.last_node, meta.ids[0])
+            if node is not None:
+                cache.attach(node, meta)
+
+    def move_entries(self, slots: torch.Tensor, keep: torch.Tensor) -> None:
+        """Within a span's ``slots`` (K), move entries ``keep`` (``[L, H, K']``, per layer and
+        head) to the first K' slots (re-compression, ``radix_cache.py``)."""
+        k_buffers, v_buffers = self._buffers()
+        index = slots.to(torch.int64)
+        head = index[:keep.shape[-1]]
+        for layer, (kb, vb) in enumerate(zip(k_buffers, v_buffers, strict=True)):
+            pick = keep[layer].to(kb.device).t().unsqueeze(-1)  # [K', H, 1]
+            for buf in (kb, vb):
+                entries = buf.index_select(0, index)  # [K, H, D]
+                buf[head] = entries.gather(0, pick.expand(-1, -1, entries.shape[-1]))
+
+    def on_recompressed(self, meta: SpanMeta, old_first_id: int, old_count: int,
+                        freed: int) -> None:
+        self.spans.renamed(meta, old_first_id)
+        self.stats.spans_recompressed += 1
+        self.stats.recompress_slots_freed += freed
 
     # -- reuse: match a waiting request against compressed spans in the tree ---------------------
     def match_with_reuse(self, match, req) -> None:
@@ -245,9 +316,9 @@ class Controller:
             return
         candidates = []
         for start, end, pad in self.image_spans(req):
-            kept = self.known_spans.get((pad, start, end - start))
-            if kept is not None:
-                candidates.append(SpanRewrite(start, end, self.compressed_ids(pad, start, kept)))
+            meta = self.spans.of_image((namespace(req), pad, start, end - start))
+            if meta is not None:
+                candidates.append(SpanRewrite(start, end, meta.ids))
         while candidates:
             record = rewrite(req, candidates)
             match()
@@ -272,7 +343,14 @@ class Controller:
 
     def on_release(self, req) -> None:
         self.records.pop(req.rid, None)
+        self.fresh.pop(req.rid, None)
+
+    def gauges(self) -> dict[str, float]:
+        held = self.tree.compressed_slots_held() if self.tree is not None else 0
+        return {"compressed_slots_held": held}
 
     def snapshot(self) -> dict:
-        return {**self.stats.to_dict(), "available_slots": int(self.allocator.available_size()),
+        return {**self.stats.to_dict(), **self.gauges(),
+                "available_slots": int(self.allocator.available_size()),
+                "radix_cache": type(self.tree).__name__ if self.tree is not None else None,
                 "method": self.config.method, "keep_ratio": self.config.keep_ratio}

@@ -6,7 +6,7 @@ import logging
 import time
 from typing import Any
 
-from sglang_unicache.integration import capture, flags
+from sglang_unicache.integration import capture, flags, positions, radix_cache
 from sglang_unicache.integration.controller import Controller
 from sglang_unicache.integration.metrics import Metrics
 from sglang_unicache.integration.support import local_hf_config, unsupported_setup
@@ -26,6 +26,11 @@ def _prepare_config(server_args: Any, config: Any) -> Any:
         reason = unsupported_setup(server_args, local_hf_config(server_args.model_path))
         if reason:
             raise flags.UniCacheFlagError(reason)
+        backend = server_args.radix_cache_backend
+        if backend not in (None, radix_cache.BACKEND):
+            raise flags.UniCacheFlagError(
+                f"--unicache brings its own radix cache; drop --radix-cache-backend {backend}")
+        server_args.radix_cache_backend = radix_cache.BACKEND
         if not server_args.disable_overlap_schedule:
             # Compaction rewrites a request's lengths between its prefill and its first decode;
             # the overlap scheduler would already have launched that decode.
@@ -63,10 +68,11 @@ def make_engine_server_args(**kwargs: Any) -> Any:
 
 
 _controller: Controller | None = None
+_scheduler: Any = None
 
 
 def after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-    global _controller
+    global _controller, _scheduler
     config = flags.config_of(scheduler.server_args)
     if config is None:
         return result
@@ -83,14 +89,29 @@ def after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any)
     if scheduler.server_args.enable_metrics:
         _controller.metrics = Metrics()
     scheduler.unicache = _controller
+    _controller.mrope = bool(scheduler.model_config.model_is_mrope)
+    _scheduler = scheduler
+    if isinstance(scheduler.tree_cache, radix_cache.CompressedRadixCache):
+        scheduler.tree_cache.controller = _controller
+        _controller.tree = scheduler.tree_cache
     logger.info("sglang-unicache: scheduler received config method=%s keep_ratio=%s "
                 "min_image_tokens=%s", config.method, config.keep_ratio, config.min_image_tokens)
     return result
 
 
+def _compress(req: Any) -> None:
+    freed = _controller.stats.slots_freed
+    _controller.on_checkpoint(req)
+    if _controller.stats.slots_freed > freed and _scheduler is not None:
+        # The scheduler marks its running batch full when a waiting request did not fit and
+        # clears the mark only when a request leaves; slots freed by compaction count too.
+        _scheduler.running_batch.batch_is_full = False
+    _publish()
+
+
 def _publish() -> None:
     if _controller is not None and _controller.metrics is not None:
-        _controller.metrics.sync(_controller.stats)
+        _controller.metrics.sync(_controller.stats, _controller.gauges())
 
 
 def around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
@@ -114,8 +135,7 @@ def around_checkpoint_kv_cache(original: Any, req: Any, tree_cache: Any, *args: 
             # What checkpoint_kv_cache does besides the tree insert: the next chunk resumes here.
             req.prefix_len = req.extend_end
             return None
-        _controller.on_checkpoint(req)
-        _publish()
+        _compress(req)
     return original(req, tree_cache, *args, **kwargs)
 
 
@@ -139,8 +159,7 @@ def around_release_kv_cache(original: Any, req: Any, *args: Any, **kwargs: Any) 
     enters the tree, like one that goes on decoding."""
     if _controller is None:
         return original(req, *args, **kwargs)
-    _controller.on_checkpoint(req)
-    _publish()
+    _compress(req)
     result = original(req, *args, **kwargs)
     if req.finished():
         _controller.on_release(req)
@@ -169,6 +188,14 @@ def after_get_internal_state(result: Any, state_controller: Any, *args: Any, **k
     result.internal_state["kv_available_slots"] = int(allocator.available_size())
     if _controller is not None:
         result.internal_state["unicache"] = _controller.snapshot()
+    return result
+
+
+def after_forward_batch_init(result: Any, *args: Any, **kwargs: Any) -> Any:
+    """``ForwardBatch.init_new``: 1-D RoPE models get each request's position offset."""
+    if _controller is not None and _controller.active and not _controller.mrope:
+        batch = kwargs.get("batch") or next(a for a in args if hasattr(a, "reqs"))
+        positions.shift_positions(result, batch.reqs)
     return result
 
 

@@ -3,7 +3,8 @@
 SGLang runs prometheus_client in multiprocess mode; metrics created in the scheduler process
 after it set ``PROMETHEUS_MULTIPROC_DIR`` are served by the HTTP server with its own. The
 controller's ``Stats`` stay the single source of truth: ``sync`` turns their growth since the
-last call into counter increments, once per scheduled batch.
+last call into counter increments, once per scheduled batch; gauges are set to the value
+the caller read.
 """
 
 from __future__ import annotations
@@ -14,18 +15,28 @@ COUNTERS = {
     "spans_reused": "Compressed image spans served from the radix tree to a later request",
     "fallbacks": "Compressions abandoned (self-check failed or error); request kept its full KV",
     "skipped_cached": "Requests left uncompressed because their image came from the tree",
+    "spans_recompressed": "Cached compressed spans shrunk under memory pressure instead of evicted",
+    "recompress_slots_freed": "KV slots returned to the allocator by re-compression",
+}
+GAUGES = {
+    "compressed_slots_held": "KV slots the radix tree's compressed image spans hold now",
 }
 
 
 class Metrics:
     def __init__(self) -> None:
-        from prometheus_client import Counter
+        from prometheus_client import Counter, Gauge
 
         self.counters = {name: Counter(f"sglang_unicache_{name}", doc)
                          for name, doc in COUNTERS.items()}
         self.seen = dict.fromkeys(COUNTERS, 0)
+        self.gauges = {name: Gauge(f"sglang_unicache_{name}", doc,
+                                   multiprocess_mode="livemostrecent")
+                       for name, doc in GAUGES.items()}
 
-    def sync(self, stats) -> None:
+    def sync(self, stats, gauges: dict[str, float] | None = None) -> None:
+        for name, value in (gauges or {}).items():
+            self.gauges[name].set(value)
         for name, counter in self.counters.items():
             value = getattr(stats, name)
             if value > self.seen[name]:

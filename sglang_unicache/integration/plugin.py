@@ -15,7 +15,9 @@ def register() -> None:
     from sglang.srt.entrypoints.engine import Engine
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_unicache.integration import hooks
+    from sglang_unicache.integration import hooks, radix_cache
+
+    radix_cache.register()
 
     for target, hook, kind in HOOKS:
         HookRegistry.register(target, getattr(hooks, hook), getattr(HookType, kind))

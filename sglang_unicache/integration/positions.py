@@ -43,3 +43,23 @@ def restore_mrope(mm_inputs, backup: MropeBackup) -> None:
     mm_inputs.mrope_positions = backup.positions
     mm_inputs.mrope_position_delta = backup.delta
     mm_inputs.mrope_position_delta_repeated_cache = None
+
+
+def shift_positions(forward_batch, reqs) -> None:
+    """1-D RoPE models: add each request's removed-token count to its positions.
+
+    SGLang derives 1-D positions from row lengths (extend: ``prefix_len + arange``, decode:
+    ``seq_len - 1``). A request whose row holds compressed spans is ``req.unicache_removed``
+    tokens shorter than its prompt, so every token it computes after them is that much further
+    along; the spans' own entries keep the positions baked into their (post-RoPE) keys.
+    """
+    offsets = [getattr(req, "unicache_removed", 0) for req in reqs]
+    if not any(offsets) or forward_batch.positions is None:
+        return
+    positions = forward_batch.positions
+    offset = torch.tensor(offsets, dtype=positions.dtype, device=positions.device)
+    if forward_batch.forward_mode.is_decode():
+        forward_batch.positions = positions + offset
+    elif forward_batch.forward_mode.is_extend():
+        counts = forward_batch.extend_seq_lens.to(positions.device).to(torch.int64)
+        forward_batch.positions = positions + offset.repeat_interleave(counts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures as futures
+import json
 import time
 
 import requests
@@ -12,6 +13,27 @@ def chat(server, body: dict, timeout: float = 120) -> dict:
     response = requests.post(f"{server.url}/v1/chat/completions", json=body, timeout=timeout)
     response.raise_for_status()
     return response.json()
+
+
+def stream_chat(server, body: dict, timeout: float = 300) -> dict:
+    """Send ``body`` with ``stream=True``: the answer ``content``, the final ``usage`` and
+    ``times``, the arrival of every chunk that carried a choice (seconds after sending; the first
+    one comes with the first output token, so ``times[0]`` is the time to first token)."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    content, times, usage = [], [], None
+    with requests.post(f"{server.url}/v1/chat/completions", json=body, stream=True,
+                       timeout=timeout) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[len(b"data: "):])
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices", []):
+                times.append(time.perf_counter() - start)
+                content.append(choice["delta"].get("content") or "")
+    return {"content": "".join(content), "usage": usage, "times": times}
 
 
 def answer(out: dict) -> str:

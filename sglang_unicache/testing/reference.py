@@ -87,3 +87,26 @@ def greedy_with_pruned_cache(model, inputs, span: tuple[int, int], kept: list[to
         cache = out.past_key_values
         tokens.append(int(out.logits[0, -1].argmax()))
     return tokens
+
+
+@torch.no_grad()
+def hf_llava_greedy(model_dir, image, question: str, max_new_tokens: int) -> list[int]:
+    """Greedy tokens of transformers' ``LlavaForConditionalGeneration`` (fp32, full cache) for
+    one image (PNG bytes or a PIL image) and one question, in the chat layout the server uses.
+
+    The reference for a 1-D RoPE checkpoint such as ``tiny_llava``'s: decode the result with
+    ``skip_special_tokens=True`` and it equals a greedy ``/v1/chat/completions`` answer.
+    """
+    from PIL import Image
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(model_dir)
+    if isinstance(image, bytes | bytearray):
+        image = Image.open(io.BytesIO(image))
+    messages = [{"role": "user", "content": [{"type": "image"},
+                                             {"type": "text", "text": question}]}]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=[text], images=[image.convert("RGB")], return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()

@@ -1,0 +1,177 @@
+"""Serving-workload parts of the performance benchmark (issue 7, measurements 3, 4 and 6).
+
+Each part runs the same workload on every server of ``servers`` (name -> launch flags; stock
+SGLang first, then the plugin) in turn and adds a ``plugin / stock`` row. ``perf.py --parts``
+dispatches here.
+
+3. workload: multi-turn image chat over HTTP (Zipf image popularity, whole history resent each
+   turn, a thread pool of clients, a small pool): cache hit rate, TTFT, throughput.
+4. decode: time per output token of a batch of requests with 4 images each (1,024 visual tokens).
+6. concurrency: the largest batch of distinct-image requests that decodes together in a fixed
+   pool without retraction.
+
+    python benchmarks/perf.py --parts workload,decode,concurrency --out runs/perf-workload.json
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import random
+import re
+import time
+from pathlib import Path
+
+from sglang_unicache.testing.client import chat, flush_cache, stream_chat
+from sglang_unicache.testing.images import data_url, image_chat, solid_png
+from sglang_unicache.testing.server import start_server
+
+IMAGE_TOKENS = 256  # a 448 px image on the tiny model
+QUESTIONS = ["what colour is it?", "describe the picture", "how many shapes are there?"]
+
+
+def picture(i: int) -> bytes:
+    """Image ``i`` (distinct for i < 65,536): 448 px, 256 visual tokens."""
+    return solid_png((i % 256, (i // 256) % 256, (97 * i + 5) % 256), size=448)
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def logged(server, offset: int, pattern: str) -> list[int]:
+    """The integers ``pattern`` captures in the server log written after ``offset``."""
+    return [int(n) for n in re.findall(pattern, server.log()[offset:])]
+
+
+def on_each(model: Path, servers: dict[str, list[str]], extra: list[str], log: Path,
+            measure, ratio_keys: list[str]) -> list[dict]:
+    """``measure(server)`` on each server in turn (warmed up, empty tree), then a
+    ``plugin / stock`` row for ``ratio_keys`` (the first server is stock, the second the plugin)."""
+    rows = []
+    for i, (name, flags) in enumerate(servers.items()):
+        server = start_server(model, flags + extra, f"{log}-{i}.log")
+        try:
+            chat(server, image_chat(picture(65_000), "what colour is it?", max_tokens=2))
+            flush_cache(server)
+            rows.append({"server": name, **measure(server)})
+        finally:
+            server.stop()
+    stock, plugin = rows[0], rows[1]
+    rows.append({"server": "plugin / stock", **{
+        k: round(plugin[k] / stock[k], 2) if stock[k] else None for k in ratio_keys}})
+    return rows
+
+
+def conversation(server, png: bytes, turns: int, max_tokens: int) -> list[dict]:
+    """One user chatting about one image; every turn resends the whole history with the image."""
+    body = image_chat(png, QUESTIONS[0], max_tokens=max_tokens, ignore_eos=True)
+    outs = []
+    for turn in range(turns):
+        if turn:
+            body["messages"].append({"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]})
+        outs.append(stream_chat(server, body))
+        body["messages"].append({"role": "assistant", "content": outs[-1]["content"]})
+    return outs
+
+
+def workload(model: Path, servers: dict[str, list[str]], log_dir: Path, *, images: int = 24,
+             conversations: int = 48, turns: int = 3, concurrency: int = 8, zipf: float = 1.1,
+             pool: int = 6 * (IMAGE_TOKENS + 64), max_tokens: int = 16, seed: int = 0
+             ) -> list[dict]:
+    rng = random.Random(seed)
+    picks = rng.choices(range(images), weights=[1 / (i + 1) ** zipf for i in range(images)],
+                        k=conversations)
+
+    def measure(server) -> dict:
+        offset, start = len(server.log()), time.perf_counter()
+        with futures.ThreadPoolExecutor(max_workers=concurrency) as clients:
+            convs = clients.map(lambda i: conversation(server, picture(i), turns, max_tokens),
+                                picks)
+            outs = [out for conv in convs for out in conv]
+        wall = time.perf_counter() - start
+        usage = [out["usage"] for out in outs]
+        prompt = sum(u["prompt_tokens"] for u in usage)
+        # The plugin reports the slots a hit reused (26 for a compressed image), so the hit rate
+        # is the share of prompt tokens the scheduler did not prefill; usage's share beside it.
+        prefilled = sum(logged(server, offset, r"Prefill batch.*?#new-token: (\d+)"))
+        cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usage)
+        ttft = [1000 * out["times"][0] for out in outs]
+        return {"pool_tokens": pool, "requests": len(outs), "prompt_tokens": prompt,
+                "hit_rate": round(1 - prefilled / prompt, 3),
+                "usage_cached_share": round(cached / prompt, 3),
+                "ttft_p50_ms": round(percentile(ttft, 0.5)),
+                "ttft_p99_ms": round(percentile(ttft, 0.99)),
+                "output_tok_s": round(sum(u["completion_tokens"] for u in usage) / wall, 1),
+                "requests_s": round(len(outs) / wall, 2)}
+
+    return on_each(model, servers, ["--max-total-tokens", str(pool)], log_dir / "workload",
+                   measure, ["hit_rate", "ttft_p50_ms", "ttft_p99_ms", "output_tok_s",
+                             "requests_s"])
+
+
+def decode(model: Path, servers: dict[str, list[str]], log_dir: Path, *, batch: int = 8,
+           images: int = 4, max_tokens: int = 64) -> list[dict]:
+    bodies = []
+    for r in range(batch):
+        body = image_chat(picture(1000 + images * r), "describe the picture",
+                          max_tokens=max_tokens, ignore_eos=True)
+        body["messages"][0]["content"][1:1] = [
+            {"type": "image_url", "image_url": {"url": data_url(picture(1000 + k))}}
+            for k in range(images * r + 1, images * r + images)]
+        bodies.append(body)
+
+    def measure(server) -> dict:
+        with futures.ThreadPoolExecutor(max_workers=batch) as clients:
+            outs = list(clients.map(lambda body: stream_chat(server, body), bodies))
+        # From the first to the last token of each request: the batch decoding together.
+        per_token = [(o["times"][-1] - o["times"][0]) / (o["usage"]["completion_tokens"] - 1)
+                     for o in outs]
+        return {"batch": batch, "visual_tokens": images * IMAGE_TOKENS,
+                "prompt_tokens": outs[0]["usage"]["prompt_tokens"],
+                "output_tokens": outs[0]["usage"]["completion_tokens"],
+                "decode_ms_per_token": round(1000 * sum(per_token) / len(per_token), 1),
+                "ttft_p50_ms": round(1000 * percentile([o["times"][0] for o in outs], 0.5))}
+
+    return on_each(model, servers, [], log_dir / "decode", measure,
+                   ["decode_ms_per_token", "ttft_p50_ms"])
+
+
+def run_batch(server, b: int, max_tokens: int) -> tuple[int, int]:
+    """b concurrent distinct-image requests: (retractions, most requests decoding at once).
+
+    Retractions are SGLang's per-request ``num_retractions`` (``return_meta_info``); the running
+    batch size is read from the scheduler's ``Decode batch`` log lines (one per step with
+    ``--decode-log-interval 1``) written while the batch ran.
+    """
+    flush_cache(server)
+    offset = len(server.log())
+    bodies = [image_chat(picture(2000 + 100 * b + i), "describe the picture",
+                         max_tokens=max_tokens, ignore_eos=True, return_meta_info=True)
+              for i in range(b)]
+    with futures.ThreadPoolExecutor(max_workers=b) as clients:
+        outs = list(clients.map(lambda body: chat(server, body, timeout=600), bodies))
+    retractions = sum(out["choices"][0]["meta_info"]["num_retractions"] for out in outs)
+    return retractions, max(logged(server, offset, r"Decode batch.*?#running-req: (\d+)"),
+                            default=0)
+
+
+def concurrency(model: Path, servers: dict[str, list[str]], log_dir: Path, *,
+                pool: int = 8 * (IMAGE_TOKENS + 24), max_tokens: int = 64,
+                max_batch: int = 64) -> list[dict]:
+    # With ignore_eos SGLang reserves every request's whole output at admission, so a batch that
+    # does not fit mostly waits in the queue rather than being retracted: both end the ramp.
+    def measure(server) -> dict:
+        largest, tried, b = 0, [], 2
+        while b <= max_batch:
+            retractions, running = run_batch(server, b, max_tokens)
+            tried.append(f"{b}: {retractions} retracted, {running} together")
+            if retractions or running < b:
+                break
+            largest, b = b, 2 * b
+        return {"pool_tokens": pool, "max_tokens": max_tokens, "largest_batch": largest,
+                "tried": "; ".join(tried)}
+
+    extra = ["--max-total-tokens", str(pool), "--decode-log-interval", "1"]
+    return on_each(model, servers, extra, log_dir / "concurrency", measure,
+                   ["largest_batch"])

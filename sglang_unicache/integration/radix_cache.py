@@ -1,0 +1,187 @@
+"""The radix cache ``--unicache`` selects: SGLang's UnifiedRadixCache, aware of compressed spans.
+
+Registered as radix-cache backend ``unicache`` (``sglang.srt.mem_cache.registry``) and chosen
+automatically with ``--unicache``. It differs from the default cache in three ways:
+
+- It runs the Python tree core (``SpanTreeCore``), whose nodes carry each compressed span's
+  metadata (``spans.SpanMeta``) in the Full component's node metadata, and which refuses to split
+  a node inside a compressed span (the split would hand a later request part of a selection).
+- After a request's KV enters the tree, the spans the request compressed itself are attached to
+  the node holding them and indexed for later requests (``Controller.after_insert``).
+- Under memory pressure, a leaf that ends in a compressed span is re-compressed before it is
+  evicted: each layer and head keeps its highest-priority entries (protected ones first,
+  ``shrink.py``), the node's key and slots shrink in place, the rest of the slots go back to the
+  allocator. Only a span at its floor is evicted whole.
+
+A request using a span locks its node, so a span is never re-compressed under a running request.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from dataclasses import replace
+
+import torch
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.registry import (
+    TreeCacheBuildContext,
+    create_unified_radix_cache,
+    default_radix_cache_factory,
+    get_radix_cache_factory,
+    register_radix_cache_backend,
+)
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+from sglang.srt.mem_cache.unified_cache.tree_core_registry import (
+    get_tree_core_factory,
+    register_tree_core_backend,
+)
+from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+from sglang_unicache.integration.spans import SpanMeta
+from sglang_unicache.shrink import shrink_order, shrunk_count
+
+logger = logging.getLogger("sglang_unicache")
+
+BACKEND = "unicache"
+META = "unicache_spans"  # node.component(FULL).metadata[META]: {first id: SpanMeta}
+FULL = ComponentType.FULL
+
+
+class SplitInsideSpanError(AssertionError):
+    pass
+
+
+def spans_of(node) -> dict[int, SpanMeta]:
+    return node.component(FULL).metadata.get(META, {})
+
+
+def _span_offsets(node) -> list[tuple[int, SpanMeta]]:
+    """(offset in the node's key, meta) of every span the node holds, in key order."""
+    spans = spans_of(node)
+    if not spans:
+        return []
+    ids = node.key.raw_token_ids()
+    found = []
+    for at, token in enumerate(ids):
+        meta = spans.get(token)
+        if meta is not None:
+            found.append((at, meta))
+    return found
+
+
+class SpanTreeCore(UnifiedTreeCore):
+    """The Python tree core, keeping span metadata with the node that holds the span."""
+
+    def _split_node(self, key, child, split_len):
+        found = _span_offsets(child)
+        for at, meta in found:
+            if at < split_len < at + meta.count:
+                raise SplitInsideSpanError(f"radix split at {split_len} inside a compressed "
+                                           f"span at {at}..{at + meta.count}")
+        child.component(FULL).metadata.pop(META, None)
+        new_node, action = super()._split_node(key, child, split_len)
+        for at, meta in found:
+            owner = new_node if at < split_len else child
+            owner.component(FULL).metadata.setdefault(META, {})[meta.ids[0]] = meta
+        return new_node, action
+
+
+def _tree_core_factory(params, components):
+    return SpanTreeCore(params, components)
+
+
+class CompressedRadixCache(UnifiedRadixCache):
+    controller = None  # set by the scheduler hook once the controller exists
+
+    def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:
+        super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
+        if self.controller is not None:
+            self.controller.after_insert(req, self)
+
+    def node_holding(self, last_node_id, first_id: int):
+        """The node on the path from the root to node ``last_node_id`` whose key holds
+        ``first_id`` (None if none does)."""
+        node = self.tree_core.node_by_id(last_node_id)
+        while node is not None and node.parent is not None:
+            if first_id in node.key.raw_token_ids():
+                return node
+            node = node.parent
+        return None
+
+    def spans_at(self, node_id) -> dict[int, SpanMeta]:
+        """The compressed spans node ``node_id`` holds, by first id."""
+        return dict(spans_of(self.tree_core.node_by_id(node_id)))
+
+    def compressed_slots_held(self) -> int:
+        """Slots the tree's compressed spans hold on the device now."""
+        return sum(meta.count for node in self.tree_core._node_arena.values()
+                   if node.component(FULL).value is not None
+                   for meta in spans_of(node).values())
+
+    def attach(self, node, meta: SpanMeta) -> None:
+        node.component(FULL).metadata.setdefault(META, {})[meta.ids[0]] = meta
+
+    def _evict_device_leaf(self, node_id, tracker):
+        if self.controller is not None and self.controller.config.recompress:
+            freed = self._shrink_leaf(self.tree_core.node_by_id(node_id))
+            if freed:
+                tracker[FULL] = tracker.get(FULL, 0) + freed
+                return None
+        return super()._evict_device_leaf(node_id, tracker)
+
+    def _shrink_leaf(self, node) -> int:
+        """Re-compress the last span of an unlocked device leaf in place; slots freed (0: not
+        possible, the caller evicts the leaf)."""
+        found = _span_offsets(node)
+        cd = node.component(FULL)
+        if not found or cd.value is None or node.backuped or node.key.is_bigram:
+            return 0
+        at, meta = found[-1]
+        cfg = self.controller.config
+        k_new = shrunk_count(meta.count, meta.length, cfg.recompress_factor,
+                             cfg.recompress_floor, meta.protected_entries())
+        if k_new >= meta.count:
+            return 0
+        keep = shrink_order(meta.priority, k_new)
+        value = cd.value
+        slots = value[at:at + meta.count]
+        self.controller.move_entries(slots, keep)
+        freed = torch.cat([slots[k_new:], value[at + meta.count:]])
+
+        old_first, old_count = meta.ids[0], meta.count
+        meta.shrink(keep, self.controller.compressed_ids(meta.pad, meta.start, k_new))
+        ids = array("q", list(node.key.raw_token_ids()[:at]) + list(meta.ids))
+        old_child_key = node.key.child_key(self.page_size)
+        node.key = RadixKey(ids, node.key.extra_key, cache_salt=node.key.cache_salt)
+        if at == 0:
+            node.parent.children.pop(old_child_key)
+            node.parent.children[node.key.child_key(self.page_size)] = node
+        cd.value = torch.cat([value[:at], slots[:k_new]])
+        spans = spans_of(node)
+        spans.pop(old_first)
+        spans[meta.ids[0]] = meta
+        node.hash_value = None
+        self.tree_core.component_evictable_size_[FULL] -= freed.numel()
+        self.token_to_kv_pool_allocator.free(freed)
+        self.controller.on_recompressed(meta, old_first, old_count, freed.numel())
+        logger.debug("sglang-unicache: re-compressed span %d -> %d entries under pressure",
+                     old_count, k_new)
+        return freed.numel()
+
+
+def _factory(ctx: TreeCacheBuildContext):
+    if ctx.disable_radix_cache or ctx.enable_hierarchical_cache or ctx.is_hybrid_swa \
+            or ctx.is_hybrid_ssm:
+        return default_radix_cache_factory(ctx)
+    ctx = replace(ctx, params=replace(ctx.params, tree_core_backend=BACKEND))
+    return create_unified_radix_cache(ctx, cache_class=CompressedRadixCache)
+
+
+def register() -> None:
+    """Register the tree core and the radix cache backend (once per process)."""
+    if get_tree_core_factory(BACKEND) is None:
+        register_tree_core_backend(BACKEND, _tree_core_factory)
+    if get_radix_cache_factory(BACKEND) is None:
+        register_radix_cache_backend(BACKEND, _factory)

@@ -1,0 +1,149 @@
+"""The ``unicache`` radix cache backend on a real SGLang pool and allocator (CPU, no server):
+compressed-span metadata on tree nodes, no split inside a span, re-compression under pressure."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+import torch
+
+pytest.importorskip("sglang")
+
+from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import (  # noqa: E402
+    EvictParams,
+    InsertParams,
+    MatchPrefixParams,
+)
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType  # noqa: E402
+
+from sglang_unicache.config import UniCacheConfig  # noqa: E402
+from sglang_unicache.integration import radix_cache  # noqa: E402
+from sglang_unicache.integration.controller import Controller  # noqa: E402
+from sglang_unicache.integration.spans import SpanMeta  # noqa: E402
+
+LAYERS, HEADS, DIM, POOL = 2, 2, 4, 64
+PAD, START, LENGTH, K = 1_000_123, 3, 32, 8  # a 32-token image at position 3 kept as 8 entries
+PREFIX, TAIL = [11, 12, 13], [21, 22]
+PROTECTED_SOURCE = 20  # one alignment-protected source token, entry 5 in every layer and head
+
+
+@pytest.fixture
+def cache():
+    radix_cache.register()
+    pool = MHATokenToKVPool(POOL, 1, torch.float32, HEADS, DIM, LAYERS, "cpu", False)
+    allocator = TokenToKVPoolAllocator(POOL, torch.float32, "cpu", pool, need_sort=False)
+    params = CacheInitParams(disable=False, req_to_token_pool=None,
+                             token_to_kv_pool_allocator=allocator, page_size=1,
+                             tree_components=(ComponentType.FULL,),
+                             tree_core_backend=radix_cache.BACKEND)
+    tree = radix_cache.CompressedRadixCache(params)
+    config = UniCacheConfig(method="knorm", keep_ratio=0.25, recompress_factor=0.5,
+                            recompress_floor=0.02)
+    tree.controller = Controller(config, torch.zeros(2, POOL, dtype=torch.int32), pool, allocator)
+    return tree
+
+
+def fill(pool, slots: torch.Tensor) -> None:
+    """Entry of slot s, layer l, head h, dim d = 1000 s + 100 l + 10 h + d (K), negated (V)."""
+    for layer in range(LAYERS):
+        grid = (1000 * slots.view(-1, 1, 1) + 100 * layer + 10 * torch.arange(HEADS).view(1, -1, 1)
+                + torch.arange(DIM).view(1, 1, -1)).float()
+        pool.k_buffer[layer][slots] = grid
+        pool.v_buffer[layer][slots] = -grid
+
+
+def make_span(tree) -> tuple[SpanMeta, torch.Tensor]:
+    allocator = tree.token_to_kv_pool_allocator
+    slots = allocator.alloc(len(PREFIX) + K + len(TAIL))
+    fill(allocator.get_kvcache(), slots)
+    ids = tree.controller.compressed_ids(PAD, START, K)
+    priority = torch.rand(LAYERS, HEADS, K, generator=torch.Generator().manual_seed(0))
+    kept = torch.arange(K).repeat(LAYERS, HEADS, 1) * 4
+    kept[..., 5] = PROTECTED_SOURCE
+    priority[..., 5] = 9.0  # protected entries outrank every score (compressor.selection_key)
+    meta = SpanMeta(namespace=(None, None), pad=PAD, start=START, length=LENGTH, ids=ids,
+                    kept=kept.to(torch.int32), priority=priority,
+                    protected=torch.tensor([PROTECTED_SOURCE]), merged=None, method="knorm",
+                    keep_ratio=0.25)
+    key = RadixKey(array("q", PREFIX + list(ids) + TAIL))
+    tree.insert(InsertParams(key=key, value=slots.to(torch.int64)))
+    node_id = tree.match_prefix(MatchPrefixParams(key=key)).last_device_node
+    tree.attach(tree.node_holding(node_id, ids[0]), meta)
+    tree.controller.spans.add(meta)
+    return meta, slots
+
+
+def matched(tree, ids) -> int:
+    key = RadixKey(array("q", PREFIX + list(ids)))
+    return tree.match_prefix(MatchPrefixParams(key=key)).device_prefix_len
+
+
+def test_span_metadata_lives_on_the_node_that_holds_the_span(cache):
+    meta, _ = make_span(cache)
+    key = RadixKey(array("q", PREFIX + list(meta.ids) + TAIL))
+    node = cache.match_prefix(MatchPrefixParams(key=key)).last_device_node
+    assert cache.spans_at(node) == {meta.ids[0]: meta}
+    assert cache.compressed_slots_held() == K
+    # A second request with the same prefix and image but another question splits the node
+    # after the span: the metadata moves with the span, not with the tail.
+    other = RadixKey(array("q", PREFIX + list(meta.ids) + [31]))
+    extra = cache.token_to_kv_pool_allocator.alloc(len(other))
+    cache.insert(InsertParams(key=other, value=extra.to(torch.int64)))
+    leaf = cache.match_prefix(MatchPrefixParams(key=other)).last_device_node
+    span_node = cache.node_holding(leaf, meta.ids[0])
+    assert radix_cache.spans_of(span_node) == {meta.ids[0]: meta}
+    assert list(span_node.key.raw_token_ids())[-K:] == list(meta.ids)
+    assert cache.spans_at(leaf) == {}
+    assert radix_cache.spans_of(span_node.children[TAIL[0]]) == {}
+
+
+def test_a_split_inside_a_compressed_span_is_refused(cache):
+    meta, _ = make_span(cache)
+    inside = RadixKey(array("q", PREFIX + list(meta.ids[:3]) + [99]))
+    extra = cache.token_to_kv_pool_allocator.alloc(len(inside))
+    with pytest.raises(radix_cache.SplitInsideSpanError):
+        cache.insert(InsertParams(key=inside, value=extra.to(torch.int64)))
+
+
+def test_pressure_recompresses_a_cached_span_before_evicting_it(cache):
+    allocator = cache.token_to_kv_pool_allocator
+    pool = allocator.get_kvcache()
+    baseline = allocator.available_size()
+    meta, slots = make_span(cache)
+    span_slots = slots[len(PREFIX):len(PREFIX) + K]
+    before_k = [pool.k_buffer[layer][span_slots].clone() for layer in range(LAYERS)]
+    order = meta.priority.clone()
+
+    cache.evict(EvictParams(num_tokens=1))
+
+    # 8 -> 4 entries; the 2 tail tokens after the span go too.
+    assert meta.count == 4 and meta.recompressions == 1
+    assert allocator.available_size() == baseline - len(PREFIX) - 4
+    assert matched(cache, meta.ids) == len(PREFIX) + 4  # the new ids key the shrunk span
+    assert matched(cache, cache.controller.compressed_ids(PAD, START, K)) == len(PREFIX)
+    assert cache.controller.spans.of_image(meta.image_key) is meta
+    assert cache.controller.stats.spans_recompressed == 1
+    assert (meta.kept == PROTECTED_SOURCE).any(-1).all()  # protected entry kept everywhere
+    # Every layer and head holds its 4 highest-priority entries, in their original order.
+    for layer in range(LAYERS):
+        for head in range(HEADS):
+            keep = order[layer, head].topk(4).indices.sort().values
+            expect = before_k[layer][keep, head]
+            assert torch.equal(pool.k_buffer[layer][span_slots[:4], head], expect)
+            assert torch.equal(pool.v_buffer[layer][span_slots[:4], head], -expect)
+    cache.sanity_check()  # SGLang's own tree invariants: structure, leaf sets, LRU, sizes
+
+    cache.evict(EvictParams(num_tokens=1))
+    cache.evict(EvictParams(num_tokens=1))
+    assert meta.count == 1 and (meta.kept == PROTECTED_SOURCE).all()  # at its floor
+    cache.evict(EvictParams(num_tokens=1))  # a span at its floor is evicted whole
+    assert matched(cache, meta.ids) == len(PREFIX)  # (matching split the prefix off earlier)
+    assert cache.compressed_slots_held() == 0
+    cache.evict(EvictParams(num_tokens=POOL))
+    assert allocator.available_size() == baseline  # nothing leaked
+    cache.sanity_check()
