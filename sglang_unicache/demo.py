@@ -1,152 +1,146 @@
-"""The main job: serve a VLM on CPU with ``--unicache`` and run a multi-turn image workload.
+"""The main job: serve the bundled VLM on CPU with ``--unicache`` and run a multi-turn image chat.
 
-    python -m sglang_unicache.demo [--model PATH] [--images 4] [--turns 3]
+    python -m sglang_unicache.demo [--model PATH] [--images 4] [--turns 3] [--keep-ratio 0.1]
 
-Without ``--model`` it builds the bundled tiny Qwen2-VL checkpoint. It starts the real SGLang
-server on the ``unicache_cpu`` platform, runs one conversation per image (each turn re-sends the
-whole history, as chat clients do), and prints what the prefix cache served.
+It starts the real SGLang server on the ``unicache_cpu`` platform twice on the bundled checkpoint
+(a tiny Qwen2-VL trained on the synthetic visual-QA task, ``sglang_unicache/checkpoints``): once
+without compression (``--unicache-method full``, token-identical to stock SGLang) and once with
+``--unicache``. Each runs the same conversations: one per image, the image in the first turn, a
+new question every turn, the whole history re-sent each time (as chat clients do), so turns 2..N
+reuse the cached image. It prints the answers, whether they are right, and what the cache held.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
+import json
 import tempfile
 import time
 from pathlib import Path
 
 import requests
 
-from sglang_unicache.testing.client import internal_state
-from sglang_unicache.testing.images import data_url, solid_png
+from sglang_unicache.eval.vqa_data import make_split
+from sglang_unicache.testing.client import available_slots, flush_cache, internal_state
+from sglang_unicache.testing.images import data_url
 from sglang_unicache.testing.server import start_server
 
-COLOURS = [
-    (220, 40, 40),
-    (40, 180, 60),
-    (40, 80, 220),
-    (230, 200, 40),
-    (160, 60, 200),
-    (240, 140, 30),
-    (30, 200, 200),
-    (120, 120, 120),
-]
-QUESTIONS = [
-    "What colour is the picture?",
-    "Is there a shape in it?",
-    "Describe it briefly.",
-    "What is at the top left?",
-    "How many objects are there?",
-]
-
-IMAGE_TOKENS = 64  # a 224 px image: (224 / 28) ** 2 merged visual tokens
+BUNDLED = Path(__file__).parent / "checkpoints" / "tiny-vqa-qwen2-vl"
+QTYPES = ("colour_of_shape", "shape_of_colour", "count_colour", "count_all", "same_colour")
 
 
 def step(message: str) -> None:
     print(f"[demo] {message}", flush=True)
 
 
-def run_conversations(url: str, n_images: int, turns: int) -> list[dict]:
+def png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def conversations(images: int, turns: int, grid: int) -> list[list]:
+    items = make_split("demo", images, turns, seed=0, grid=grid, qtypes=QTYPES)
+    chats: dict[str, list] = {}
+    for item in items:
+        chats.setdefault(item.image_id, []).append(item)
+    return list(chats.values())
+
+
+def run(url: str, chats: list[list], label: str) -> list[dict]:
     rows = []
-    for i in range(n_images):
-        image = {"type": "image_url", "image_url": {"url": data_url(solid_png(COLOURS[i % 8]))}}
+    for i, chat in enumerate(chats):
+        image = {"type": "image_url", "image_url": {"url": data_url(png(chat[0].image))}}
         messages = []
-        for turn in range(turns):
-            question = QUESTIONS[turn % len(QUESTIONS)]
-            content = [image, {"type": "text", "text": question}] if turn == 0 else question
+        for turn, item in enumerate(chat):
+            content = [image, {"type": "text", "text": item.question}] if turn == 0 \
+                else item.question
             messages.append({"role": "user", "content": content})
             start = time.perf_counter()
-            out = requests.post(
-                f"{url}/v1/chat/completions",
-                timeout=120,
-                json={
-                    "model": "default",
-                    "messages": messages,
-                    "max_tokens": 8,
-                    "temperature": 0,
-                },
-            ).json()
-            elapsed = time.perf_counter() - start
-            answer = out["choices"][0]["message"]["content"]
+            out = requests.post(f"{url}/v1/chat/completions", timeout=120, json={
+                "model": "default", "messages": messages, "max_tokens": 8, "temperature": 0,
+            }).json()
+            answer = out["choices"][0]["message"]["content"].strip()
             messages.append({"role": "assistant", "content": answer})
             usage = out["usage"]
-            details = usage.get("prompt_tokens_details") or {}
-            rows.append(
-                {
-                    "image": i,
-                    "turn": turn + 1,
-                    "prompt": usage["prompt_tokens"],
-                    "image_tokens": details.get("image_tokens", 0),
-                    "cached": details.get("cached_tokens", 0),
-                    "seconds": elapsed,
-                }
-            )
-            step(
-                f"image {i + 1}/{n_images} turn {turn + 1}/{turns}: "
-                f"{usage['prompt_tokens']} prompt tokens, {rows[-1]['cached']} from cache"
-            )
+            rows.append({"image": i, "turn": turn + 1, "question": item.question,
+                         "expected": item.answer, "answer": answer,
+                         "correct": answer == item.answer, "prompt": usage["prompt_tokens"],
+                         "cached": (usage.get("prompt_tokens_details") or {})
+                         .get("cached_tokens", 0),
+                         "seconds": time.perf_counter() - start})
+        step(f"{label}: image {i + 1}/{len(chats)} done "
+             f"({sum(r['correct'] for r in rows if r['image'] == i)}/{len(chat)} right)")
     return rows
 
 
-def print_table(rows: list[dict]) -> None:
-    print(f"\n{'image':>5} {'turn':>4} {'prompt':>6} {'image KV':>9} {'cached':>6} {'s':>6}")
-    for r in rows:
-        print(
-            f"{r['image']:>5} {r['turn']:>4} {r['prompt']:>6} {r['image_tokens']:>9} "
-            f"{r['cached']:>6} {r['seconds']:>6.2f}"
-        )
-    prompt = sum(r["prompt"] for r in rows)
-    cached = sum(r["cached"] for r in rows)
-    print(
-        f"\n{len(rows)} requests, {prompt} prompt tokens, {cached} served from the prefix cache "
-        f"({100 * cached / max(prompt, 1):.0f}%), {sum(r['seconds'] for r in rows):.1f} s"
-    )
+def serve(model: Path, flags: list[str], log: Path, chats: list[list], label: str) -> dict:
+    step(f"starting SGLang on CPU: {label} ({' '.join(flags)}; log {log})")
+    start = time.perf_counter()
+    server = start_server(model, flags, log)
+    step(f"{label}: server ready in {time.perf_counter() - start:.0f} s")
+    try:
+        flush_cache(server)
+        free = available_slots(server)
+        start = time.perf_counter()
+        rows = run(server.url, chats, label)
+        seconds = time.perf_counter() - start
+        held = free - available_slots(server)  # what the tree keeps of all conversations
+        stats = internal_state(server).get("unicache", {})
+    finally:
+        server.stop()
+    return {"rows": rows, "held": held, "stats": stats, "seconds": seconds}
 
 
-def print_savings(stats: dict, n_images: int, image_tokens: int) -> None:
-    compressed = stats["images_compressed"]
-    kept = image_tokens - stats["slots_freed"] // compressed if compressed else image_tokens
-    print(f"\nvisual KV slots per cached image: {kept} with --unicache vs {image_tokens} without "
-          f"({kept / image_tokens:.2f}x; {n_images} images: {n_images * kept} vs "
-          f"{n_images * image_tokens} slots)")
-    print(f"images compressed: {compressed}, slots freed: {stats['slots_freed']}, "
-          f"compressed spans reused by later turns: {stats['spans_reused']} "
-          f"(no vision encoder, no image prefill), fallbacks to full KV: {stats['fallbacks']}")
+def report(full: dict, compressed: dict, keep: str, image_tokens: int) -> None:
+    print(f"\n{'img':>3} {'turn':>4}  {'question':<45} {'expected':<9} {'full':<9} "
+          f"{'unicache':<9}")
+    for a, b in zip(full["rows"], compressed["rows"], strict=True):
+        mark = lambda r: f"{r['answer'][:8]:<8}{'+' if r['correct'] else '-'}"  # noqa: E731
+        print(f"{a['image']:>3} {a['turn']:>4}  {a['question'][:45]:<45} {a['expected'][:9]:<9} "
+              f"{mark(a)} {mark(b)}")
+    n = len(full["rows"])
+    stats = compressed["stats"]
+    per_image = image_tokens - stats["slots_freed"] // max(stats["images_compressed"], 1)
+    print(f"\nanswers correct: {sum(r['correct'] for r in compressed['rows'])}/{n} with "
+          f"--unicache (keep {keep}) vs {sum(r['correct'] for r in full['rows'])}/{n} "
+          "without compression")
+    print(f"visual KV slots per cached image: {per_image} with --unicache vs {image_tokens} "
+          f"without ({per_image / image_tokens:.2f}x)")
+    print(f"KV slots the cache holds after all conversations: {compressed['held']} vs "
+          f"{full['held']} ({compressed['held'] / max(full['held'], 1):.2f}x)")
+    print(f"compressed spans reused by later turns: {stats['spans_reused']} (no vision encoder, "
+          f"no image prefill), fallbacks to full KV: {stats['fallbacks']}")
+    print(f"time: {compressed['seconds']:.1f} s with --unicache vs {full['seconds']:.1f} s "
+          "without (requests only, shared CPU)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="checkpoint directory (default: build the tiny one)")
+    parser.add_argument("--model", type=Path, default=BUNDLED, help="checkpoint directory")
     parser.add_argument("--images", type=int, default=4)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--keep-ratio", default="0.1")
-    parser.add_argument("--log", default="runs/demo-server.log")
+    parser.add_argument("--method", default="unicache")
+    parser.add_argument("--log-dir", type=Path, default=Path("runs"))
     parser.add_argument("server_args", nargs="*", help="extra flags for the server, after --")
     args = parser.parse_args()
 
-    work = Path(tempfile.mkdtemp())
-    model = args.model
-    if model is None:
-        from sglang_unicache.testing.tiny_vlm import build_tiny_qwen2_vl
-
-        step("building the tiny Qwen2-VL checkpoint (random weights: answers are gibberish)")
-        model = build_tiny_qwen2_vl(work / "tiny-qwen2-vl")
-    # A random model's attention trips the KL self-check at any real compression, which would
-    # keep every image at full size; the demo shows the compression path itself.
-    config = work / "demo-policy.yaml"
+    args_file = args.model / "training_args.json"
+    grid = json.loads(args_file.read_text())["grid"] if args_file.exists() else 8
+    chats = conversations(args.images, args.turns, grid)
+    config = Path(tempfile.mkdtemp()) / "demo-policy.yaml"
+    # The KL self-check (seed §7.1) is measured in BENCHMARKS.md; the demo shows the method.
     config.write_text("selfcheck: false\n")
-    flags = ["--unicache", "--unicache-keep-ratio", args.keep_ratio, "--unicache-config",
-             str(config), "--enable-cache-report", *args.server_args]
-    step(f"starting the SGLang server on CPU with {' '.join(flags)} (log: {args.log})")
-    start = time.perf_counter()
-    server = start_server(model, flags, args.log)
-    step(f"server ready in {time.perf_counter() - start:.0f} s")
-    try:
-        rows = run_conversations(server.url, args.images, args.turns)
-        stats = internal_state(server)["unicache"]
-    finally:
-        server.stop()
-    print_table(rows)
-    print_savings(stats, args.images, IMAGE_TOKENS)
+    common = ["--unicache-config", str(config), "--enable-cache-report", *args.server_args]
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    full = serve(args.model, ["--unicache", "--unicache-method", "full", *common],
+                 args.log_dir / "demo-full.log", chats, "without compression")
+    compressed = serve(args.model, ["--unicache", "--unicache-method", args.method,
+                                    "--unicache-keep-ratio", args.keep_ratio, *common],
+                       args.log_dir / "demo-unicache.log", chats, "with --unicache")
+    report(full, compressed, args.keep_ratio, grid * grid)
 
 
 if __name__ == "__main__":

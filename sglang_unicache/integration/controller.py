@@ -38,6 +38,19 @@ from sglang_unicache.types import ImageSpan, ScoreInputs
 logger = logging.getLogger("sglang_unicache")
 
 
+def merge_runs(offsets) -> list[tuple[int, int]]:
+    """An item's inclusive pad-token runs as ``[start, end)`` spans, runs one separator token
+    apart joined (Pixtral-style towers end every row of patches with a break token: the image is
+    one span, its break tokens compressed with it)."""
+    spans: list[list[int]] = []
+    for start, end in sorted(offsets):
+        if spans and start - spans[-1][1] <= 1:
+            spans[-1][1] = end + 1
+        else:
+            spans.append([start, end + 1])
+    return [(start, end) for start, end in spans]
+
+
 def namespace(req) -> tuple[object, object]:
     """The radix tree's namespace of a request: spans never cross it (tenancy)."""
     return (req.extra_key, req.cache_salt or None)
@@ -110,9 +123,9 @@ class Controller:
         for item in mm.mm_items:
             if item.modality.name not in ("IMAGE", "MULTI_IMAGES", "VIDEO"):
                 continue
-            for start, end in item.offsets or []:
-                if end + 1 - start >= self.config.min_image_tokens:
-                    spans.append((start, end + 1, int(item.pad_value or 0)))
+            for start, end in merge_runs(item.offsets or []):
+                if end - start >= self.config.min_image_tokens:
+                    spans.append((start, end, int(item.pad_value or 0)))
         return sorted(spans)
 
     def begin_forward(self, batch) -> QueryCapture | None:

@@ -49,15 +49,16 @@ def _new_position(position: int, spans: tuple[SpanRewrite, ...]) -> int:
 
 
 def _remap_offsets(offsets, spans: tuple[SpanRewrite, ...]):
-    by_start = {s.start: s for s in spans}
+    """An item's inclusive runs after the rewrite: a compressed span becomes one run of its K
+    ids (runs it joined, see ``controller.merge_runs``, fold into it); other runs shift."""
     out = []
     for start, end in offsets:
-        span = by_start.get(start)
+        span = next((s for s in spans if s.start <= start < s.end), None)
         new_start = _new_position(start, spans)
-        if span is not None:
-            out.append((new_start, new_start + len(span.ids) - 1))
-        else:
+        if span is None:
             out.append((new_start, _new_position(end + 1, spans) - 1))
+        elif span.start == start:
+            out.append((new_start, new_start + len(span.ids) - 1))
     return out
 
 

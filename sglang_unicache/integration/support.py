@@ -10,12 +10,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-# Architectures whose positions survive compaction: M-RoPE models keep later tokens at their
-# logical positions through the request's M-RoPE delta (positions.py). 1-D RoPE VLMs (the LLaVA
-# family) need a per-request position offset that is not implemented yet, so they are refused.
+# Architectures whose positions survive compaction (positions.py): M-RoPE models keep later
+# tokens at their logical positions through the request's M-RoPE delta; 1-D RoPE VLMs (SGLang's
+# LLaVA adaptor: Llama/Mistral/Qwen2 text models with a Pixtral tower, as served by 0.5.23)
+# through a per-request offset added to the batch's positions.
 SUPPORTED_ARCHITECTURES = (
     "Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
+    "LlavaForConditionalGeneration",
 )
 SCALED_KV_DTYPES = ("mxfp8", "nvfp4", "fp4_mx_block16")
 _HYBRID_LAYER_TYPES = ("sliding_attention", "linear_attention", "mamba", "chunked_attention")

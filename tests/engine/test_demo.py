@@ -1,4 +1,5 @@
-"""The README's main job runs end to end and reports what compression saved."""
+"""The README's main job runs end to end on the bundled trained model and reports what compression
+saved and how many answers were right."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from sglang_unicache.testing.server import cpu_env
 def test_demo_reports_savings_and_reuse(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "sglang_unicache.demo", "--images", "2", "--turns", "2",
-         "--log", str(tmp_path / "demo-server.log")],
+         "--log-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=600, env=cpu_env(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -24,3 +25,6 @@ def test_demo_reports_savings_and_reuse(tmp_path):
     reused = re.search(r"compressed spans reused by later turns: (\d+)", out)
     assert reused and int(reused.group(1)) >= 2, out[-2000:]
     assert "fallbacks to full KV: 0" in out
+    correct = re.search(r"answers correct: (\d+)/(\d+) with --unicache .* vs (\d+)/(\d+) without",
+                        out)
+    assert correct and int(correct.group(2)) == 4, out[-2000:]  # 2 images x 2 turns, both runs

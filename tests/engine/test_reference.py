@@ -80,7 +80,8 @@ def test_reused_span_tokens_equal_the_prune_then_prefill_reference(random_server
     assert internal_state(random_server)["unicache"]["spans_reused"] == reused_before + 1
     inputs = prompt_inputs(processor, png, question)
     span = image_span(inputs, model.config.image_token_id)
-    kept = kept_entries(config, text.num_hidden_layers, inputs["input_ids"].shape[1],
+    warm = prompt_inputs(processor, png, "what colour is it?")  # selected when it compressed
+    kept = kept_entries(config, text.num_hidden_layers, warm["input_ids"].shape[1],
                         text.num_key_value_heads, text.hidden_size // text.num_attention_heads,
                         span)
     # Tokens the server took from the tree, in original coordinates (the span counts N there).
