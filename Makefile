@@ -35,12 +35,12 @@ bench: setup
 # eval_serving.py for full + 7 methods x 5 keep ratios, reuse and long settings (36 server starts:
 # an estimate of one to two hours on the 2-core machine), then the tables, target checks and plots.
 # Results: runs/quality.json, runs/quality.md, docs/img/quality-{reuse,long}.png.
-QUALITY_MODEL ?= benchmarks/quality/checkpoints/tiny-vqa-qwen2-vl
+QUALITY_MODEL ?= sglang_unicache/checkpoints/tiny-vqa-qwen2-vl
 quality: setup
 	$(VENV)/bin/pip install -q -e '.[test,bench]'
 	$(PY) benchmarks/quality/eval_serving.py --model $(QUALITY_MODEL) \
 		--methods full,random,knorm,h2o,snapkv,pyramidkv,aircache,unicache \
-		--ratios 0.01,0.05,0.1,0.25,0.5 --settings reuse,long --transformers-check 40 \
+		--ratios 0.01,0.05,0.1,0.25,0.5 --settings reuse,long --images 30 --transformers-check 40 \
 		--out runs/quality.json
 	$(PY) benchmarks/quality/report.py runs/quality.json --plot-dir docs/img \
 		--markdown runs/quality.md

@@ -31,12 +31,14 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from sglang_unicache.eval.vqa_data import LONG_ANSWER_QTYPES, make_split
+from sglang_unicache.eval.vqa_data import DEFAULT_QTYPES, LONG_ANSWER_QTYPES, make_split
 from sglang_unicache.testing.client import answer, chat, flush_cache, internal_state
 from sglang_unicache.testing.images import data_url
 from sglang_unicache.testing.server import start_server
 
-REUSE_QTYPES = ("colour_of_shape", "shape_of_colour", "count_colour", "count_all", "same_colour")
+# Every default question type, long answers included (scored on the whole answer).
+REUSE_QTYPES = DEFAULT_QTYPES
+MAX_TOKENS = 16  # enough for the longest answer (six colours) and <|im_end|>
 
 
 def png_of(image) -> bytes:
@@ -87,13 +89,15 @@ def long_items(images: int, seed: int, grid: int) -> list:
 def run_reuse(server, images: int, questions: int, seed: int, grid: int) -> tuple[dict, int]:
     items = reuse_items(images, questions, seed, grid)
     rows, reused = [], 0
-    for start in range(0, len(items), questions):
-        group = items[start:start + questions]
+    groups: dict[str, list] = {}
+    for item in items:
+        groups.setdefault(item.image_id, []).append(item)
+    for group in groups.values():
         flush_cache(server)
-        ask(server, group[0], 4)  # warms the cache: compresses the image
+        ask(server, group[0], MAX_TOKENS)  # warms the cache: compresses the image
         before = internal_state(server).get("unicache", {}).get("spans_reused", 0)
         for item in group[1:]:
-            got = ask(server, item, 4)
+            got = ask(server, item, MAX_TOKENS)
             rows.append({"qtype": item.qtype, "correct": got == item.answer})
         reused += internal_state(server).get("unicache", {}).get("spans_reused", 0) - before
     return score(rows), reused
@@ -104,7 +108,7 @@ def run_long(server, images: int, seed: int, grid: int) -> dict:
     rows = []
     for item in items:
         flush_cache(server)
-        rows.append({"qtype": item.qtype, "correct": ask(server, item, 16) == item.answer})
+        rows.append({"qtype": item.qtype, "correct": ask(server, item, MAX_TOKENS) == item.answer})
     return score(rows)
 
 
@@ -120,7 +124,7 @@ def run_transformers(args, settings: list[str]) -> dict:
     if "reuse" in settings:
         scored = [it for it in reuse_items(args.images, args.questions, args.seed, args.grid)
                   if it.question_index >= 1]
-        jobs.append(("reuse", scored[:n], 4))
+        jobs.append(("reuse", scored[:n], MAX_TOKENS))
     if "long" in settings:
         jobs.append(("long", long_items(args.images, args.seed, args.grid)[:n], 16))
     for setting, items, max_tokens in jobs:
@@ -149,6 +153,10 @@ def main() -> None:
                              "with transformers (method 'transformers'); 0 skips it")
     parser.add_argument("--selfcheck", action="store_true",
                         help="keep the KL self-check on (default off: score the method itself)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra policy config (YAML values), e.g. query_weight=1.0")
+    parser.add_argument("--label", default="",
+                        help="suffix of the method names in the results (for --set variants)")
     parser.add_argument("--out", default="runs/quality.json")
     args = parser.parse_args()
     if args.grid is None:
@@ -157,7 +165,10 @@ def main() -> None:
           flush=True)
 
     config = Path(tempfile.mkdtemp()) / "policy.json"
-    config.write_text(json.dumps({"selfcheck": bool(args.selfcheck)}))
+    import yaml
+
+    extra = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)}
+    config.write_text(json.dumps({"selfcheck": bool(args.selfcheck), **extra}))
     settings = args.settings.split(",")
     results = []
 
@@ -178,9 +189,11 @@ def main() -> None:
             flags = ["--unicache", "--unicache-method", method, "--unicache-keep-ratio", ratio,
                      "--unicache-config", str(config), "--enable-cache-report"]
             start = time.perf_counter()
-            server = start_server(args.model, flags, f"runs/quality-{method}-{ratio}.log")
+            server = start_server(args.model, flags,
+                                  f"runs/quality-{method}{args.label}-{ratio}.log")
             try:
-                entry = {"method": method, "keep_ratio": float(ratio)}
+                entry = {"method": method + args.label, "keep_ratio": float(ratio),
+                         "config": extra}
                 if "reuse" in settings:
                     entry["reuse"], entry["spans_reused"] = run_reuse(
                         server, args.images, args.questions, args.seed, args.grid)
