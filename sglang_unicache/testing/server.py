@@ -81,8 +81,9 @@ class Server:
 
 
 def start_server(model_path: str | Path, args: list[str], log_path: str | Path, *,
-                 env: dict[str, str] | None = None, timeout: float = 180.0) -> Server:
-    """Launch the server in its own process group and wait until it answers ``/health``."""
+                 env: dict[str, str] | None = None, timeout: float = 300.0) -> Server:
+    """Launch the server in its own process group and wait until it answers ``/health`` (one that
+    does not within ``timeout`` seconds is stopped; 300 s leaves room for a loaded machine)."""
     port = free_port()
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
            "--host", "127.0.0.1", "--port", str(port), *args]
