@@ -24,7 +24,7 @@ import argparse
 import json
 from pathlib import Path
 
-from sglang_unicache.testing.tiny_vlm import _CORPUS_WORDS
+from sglang_unicache.testing.tiny_vlm import train_bpe
 
 SPECIAL_TOKENS = [
     "<unk>",
@@ -54,22 +54,9 @@ CHAT_TEMPLATE = (
 
 def build_tokenizer(vocab_size: int = 640):
     """A byte-level BPE tokenizer with Pixtral's image tokens (deterministic)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    words = _CORPUS_WORDS.split()
-    corpus = [" ".join(words[i:] + words[:i]) for i in range(len(words))]
-    corpus += [w.capitalize() + "?" for w in words] + [f"{i}." for i in range(100)]
-    tok.train_from_iterator(corpus, trainer=trainer)
+    tok = train_bpe(SPECIAL_TOKENS, vocab_size)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="<unk>",

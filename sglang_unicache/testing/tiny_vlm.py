@@ -48,21 +48,17 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(vocab_size: int = 640, extra_words: tuple[str, ...] | list[str] = ()):
-    """A byte-level BPE tokenizer (deterministic: fixed corpus, fixed trainer settings).
-
-    ``extra_words`` join the built-in corpus (e.g. a dataset's vocabulary, so its answers become
-    one token per word); the default arguments reproduce the original tokenizer exactly.
-    """
+def train_bpe(special_tokens: list[str], vocab_size: int, extra_words=()):
+    """A byte-level BPE ``tokenizers.Tokenizer`` trained on the built-in corpus (plus
+    ``extra_words``) with ``special_tokens`` first: deterministic, the same for the same inputs."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -71,6 +67,18 @@ def build_tokenizer(vocab_size: int = 640, extra_words: tuple[str, ...] | list[s
     corpus = [" ".join(words[i:] + words[:i]) for i in range(len(words))]
     corpus += [w.capitalize() + "?" for w in words] + [f"{i}." for i in range(100)]
     tok.train_from_iterator(corpus, trainer=trainer)
+    return tok
+
+
+def build_tokenizer(vocab_size: int = 640, extra_words: tuple[str, ...] | list[str] = ()):
+    """A byte-level BPE tokenizer (deterministic: fixed corpus, fixed trainer settings).
+
+    ``extra_words`` join the built-in corpus (e.g. a dataset's vocabulary, so its answers become
+    one token per word); the default arguments reproduce the original tokenizer exactly.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    tok = train_bpe(SPECIAL_TOKENS, vocab_size, extra_words)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
