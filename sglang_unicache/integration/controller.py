@@ -307,9 +307,7 @@ class Controller:
                 entries = buf.index_select(0, index)  # [K, H, D]
                 buf[head] = entries.gather(0, pick.expand(-1, -1, entries.shape[-1]))
 
-    def on_recompressed(self, meta: SpanMeta, old_first_id: int, old_count: int,
-                        freed: int) -> None:
-        self.spans.renamed(meta, old_first_id)
+    def on_recompressed(self, freed: int) -> None:
         self.stats.spans_recompressed += 1
         self.stats.recompress_slots_freed += freed
 

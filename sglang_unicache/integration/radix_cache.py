@@ -165,7 +165,7 @@ class CompressedRadixCache(UnifiedRadixCache):
         node.hash_value = None
         self.tree_core.component_evictable_size_[FULL] -= freed.numel()
         self.token_to_kv_pool_allocator.free(freed)
-        self.controller.on_recompressed(meta, old_first, old_count, freed.numel())
+        self.controller.on_recompressed(freed.numel())
         logger.debug("sglang-unicache: re-compressed span %d -> %d entries under pressure",
                      old_count, k_new)
         return freed.numel()

@@ -7,7 +7,7 @@ prefix of it). ``SpanMeta`` is the span's node metadata: original length, the so
 each entry holds per layer and KV head, merge groups, alignment-protected positions, method,
 budget, self-check result and selection priorities (what re-compression under pressure reads).
 The tree core attaches it to the node holding the span (``radix_cache.py``); ``SpanIndex`` finds
-it from an image (for match-time rewrites) and from a first id (for nodes).
+it from an image (for match-time rewrites).
 """
 
 from __future__ import annotations
@@ -69,43 +69,25 @@ class SpanMeta:
         self.ids = ids
         self.recompressions += 1
 
-    def to_dict(self) -> dict:
-        return {"pad": self.pad, "start": self.start, "length": self.length,
-                "entries": self.count, "method": self.method, "keep_ratio": self.keep_ratio,
-                "protected": self.protected.tolist(), "recompressions": self.recompressions,
-                "selfcheck": self.selfcheck}
-
 
 @dataclass
 class SpanIndex:
-    """Spans compressed so far, by image (what a later request rewrites to) and by first id."""
+    """Spans compressed so far, by image: what a later request rewrites its image to. (A span's
+    key stays its image when re-compression changes its ids; the tree finds spans by node.)"""
 
     by_image: OrderedDict[ImageKey, SpanMeta] = field(default_factory=OrderedDict)
-    by_first_id: dict[tuple[Namespace, int], SpanMeta] = field(default_factory=dict)
 
     def add(self, meta: SpanMeta) -> None:
-        old = self.by_image.pop(meta.image_key, None)
-        if old is not None:
-            self.by_first_id.pop((old.namespace, old.ids[0]), None)
+        self.by_image.pop(meta.image_key, None)
         self.by_image[meta.image_key] = meta
-        self.by_first_id[(meta.namespace, meta.ids[0])] = meta
         while len(self.by_image) > MAX_SPANS:
-            _, gone = self.by_image.popitem(last=False)
-            self.by_first_id.pop((gone.namespace, gone.ids[0]), None)
+            self.by_image.popitem(last=False)
 
     def of_image(self, key: ImageKey) -> SpanMeta | None:
         meta = self.by_image.get(key)
         if meta is not None:
             self.by_image.move_to_end(key)
         return meta
-
-    def of_first_id(self, namespace: Namespace, first_id: int) -> SpanMeta | None:
-        return self.by_first_id.get((namespace, first_id))
-
-    def renamed(self, meta: SpanMeta, old_first_id: int) -> None:
-        """``meta.ids`` changed (re-compression): re-key it."""
-        self.by_first_id.pop((meta.namespace, old_first_id), None)
-        self.by_first_id[(meta.namespace, meta.ids[0])] = meta
 
     def __len__(self) -> int:
         return len(self.by_image)
