@@ -37,6 +37,11 @@ from sglang_unicache.testing.server import start_server
 from sglang_unicache.testing.tiny_vlm import build_tiny_qwen2_vl
 
 IMAGE_SIZE = 448  # 256 visual tokens per image
+# The decode part reads 8 x 4,100 tokens of KV per step. On the 2-layer, 64-wide model that is
+# 256 bytes a token, so the step is all fixed cost; this one holds 2 KB a token (a 7B model holds
+# ~57 KB), enough that reading the KV is a visible share of a CPU decode step. 896 px = 1,024
+# visual tokens an image.
+DECODE_MODEL = {"hidden": 256, "layers": 4, "image_size": 896, "context": 8192}
 
 
 def image(i: int) -> bytes:
@@ -81,14 +86,24 @@ def memory_per_image(model: Path, config: Path, ratios: list[float], log_dir: Pa
 
 
 def capacity(model: Path, config: Path, ratio: float, stream: int, log_dir: Path) -> list[dict]:
+    """Images still reusable (>= 16 prompt tokens cached) after a stream of distinct images, in a
+    pool sized for 8 uncompressed ones: stock, the plugin with re-compression off (a full pool
+    evicts whole images) and on (the default: the oldest images shrink first)."""
     pool = 8 * (256 + 24)
+    no_recompress = config.with_name("policy-no-recompress.json")
+    no_recompress.write_text(json.dumps({**json.loads(config.read_text()), "recompress": False}))
+    servers = [("stock", flags_for(None, ratio, config)),
+               (f"unicache keep {ratio}, re-compression off",
+                flags_for("knorm", ratio, no_recompress)),
+               (f"unicache keep {ratio}", flags_for("knorm", ratio, config))]
     rows = []
-    for method in (None, "knorm"):
-        flags = flags_for(method, ratio, config) + ["--max-total-tokens", str(pool)]
-        server = start_server(model, flags, log_dir / "capacity.log")
+    for name, flags in servers:
+        server = start_server(model, flags + ["--max-total-tokens", str(pool)],
+                              log_dir / "capacity.log")
         try:
             for i in range(stream):
                 chat(server, image_chat(image(100 + i), "what colour is it?", max_tokens=1))
+            shrunk = (internal_state(server).get("unicache") or {}).get("spans_recompressed", 0)
             resident = 0
             for i in reversed(range(stream)):  # newest first: a hit refreshes only itself
                 out = chat(server, image_chat(image(100 + i), "what colour is it?", max_tokens=1))
@@ -97,11 +112,11 @@ def capacity(model: Path, config: Path, ratio: float, stream: int, log_dir: Path
                 resident += 1
         finally:
             server.stop()
-        rows.append({"server": "stock" if method is None else f"unicache keep {ratio}",
-                     "pool_tokens": pool, "images_streamed": stream,
-                     "images_resident": resident})
-    rows[1]["ratio_vs_stock"] = round(rows[1]["images_resident"] / max(rows[0]["images_resident"],
-                                                                        1), 2)
+        rows.append({"server": name, "pool_tokens": pool, "images_streamed": stream,
+                     "images_resident": resident, "spans_recompressed": shrunk})
+    for row in rows[1:]:
+        row["ratio_vs_stock"] = round(row["images_resident"] / max(rows[0]["images_resident"], 1),
+                                      2)
     return rows
 
 
@@ -127,6 +142,9 @@ def overhead(model: Path, config: Path, methods: list[str], ratio: float, log_di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint (default: the tiny Qwen2-VL at 448 px)")
+    parser.add_argument("--decode-model",
+                        help="checkpoint of the decode part (default: a wider tiny Qwen2-VL, "
+                             "see DECODE_MODEL)")
     parser.add_argument("--ratios", default="0.05,0.1,0.25,0.5")
     parser.add_argument("--methods", default="knorm,snapkv,h2o,pyramidkv,aircache,unicache")
     parser.add_argument("--stream", type=int, default=80)
@@ -163,7 +181,9 @@ def main() -> None:
                                        conversations=args.conversations, turns=args.turns,
                                        concurrency=args.clients)
     if "decode" in parts:
-        results["decode"] = decode(model, servers, log_dir, batch=args.decode_batch)
+        decode_model = Path(args.decode_model) if args.decode_model else build_tiny_qwen2_vl(
+            work / "tiny-qwen2-vl-decode", **DECODE_MODEL)
+        results["decode"] = decode(decode_model, servers, log_dir, batch=args.decode_batch)
     if "concurrency" in parts:
         results["concurrency"] = concurrency(model, servers, log_dir, max_batch=args.max_batch)
     results["seconds"] = round(time.perf_counter() - start)

@@ -6,7 +6,8 @@ dispatches here.
 
 3. workload: multi-turn image chat over HTTP (Zipf image popularity, whole history resent each
    turn, a thread pool of clients, a small pool): cache hit rate, TTFT, throughput.
-4. decode: time per output token of a batch of requests with 4 images each (1,024 visual tokens).
+4. decode: time per output token of a batch of 8 requests with 4 images of 1,024 visual tokens
+   each, while the whole batch decodes together (on ``decode_model``: see ``perf.py``).
 6. concurrency: the largest batch of distinct-image requests that decodes together in a fixed
    pool without retraction.
 
@@ -29,9 +30,9 @@ IMAGE_TOKENS = 256  # a 448 px image on the tiny model
 QUESTIONS = ["what colour is it?", "describe the picture", "how many shapes are there?"]
 
 
-def picture(i: int) -> bytes:
-    """Image ``i`` (distinct for i < 65,536): 448 px, 256 visual tokens."""
-    return solid_png((i % 256, (i // 256) % 256, (97 * i + 5) % 256), size=448)
+def picture(i: int, size: int = 448) -> bytes:
+    """Image ``i`` (distinct for i < 65,536): 448 px is 256 visual tokens, 896 px 1,024."""
+    return solid_png((i % 256, (i // 256) % 256, (97 * i + 5) % 256), size=size)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -92,8 +93,8 @@ def workload(model: Path, servers: dict[str, list[str]], log_dir: Path, *, image
         wall = time.perf_counter() - start
         usage = [out["usage"] for out in outs]
         prompt = sum(u["prompt_tokens"] for u in usage)
-        # The plugin reports the slots a hit reused (26 for a compressed image), so the hit rate
-        # is the share of prompt tokens the scheduler did not prefill; usage's share beside it.
+        # Hit rate: the share of prompt tokens the scheduler did not prefill (its log); usage's
+        # cached share beside it (the plugin counts a reused image as the tokens the user sent).
         prefilled = sum(logged(server, offset, r"Prefill batch.*?#new-token: (\d+)"))
         cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usage)
         ttft = [1000 * out["times"][0] for out in outs]
@@ -111,30 +112,39 @@ def workload(model: Path, servers: dict[str, list[str]], log_dir: Path, *, image
 
 
 def decode(model: Path, servers: dict[str, list[str]], log_dir: Path, *, batch: int = 8,
-           images: int = 4, max_tokens: int = 64) -> list[dict]:
+           images: int = 4, image_px: int = 896, max_tokens: int = 160) -> list[dict]:
+    """Time per output token while all ``batch`` requests decode together: counted from the
+    moment the last request got its first token (every prefill done) to the end of each
+    request, so prefill stalls of requests still arriving stay out of it."""
     bodies = []
     for r in range(batch):
-        body = image_chat(picture(1000 + images * r), "describe the picture",
+        body = image_chat(picture(1000 + images * r, image_px), "describe the picture",
                           max_tokens=max_tokens, ignore_eos=True)
         body["messages"][0]["content"][1:1] = [
-            {"type": "image_url", "image_url": {"url": data_url(picture(1000 + k))}}
+            {"type": "image_url", "image_url": {"url": data_url(picture(1000 + k, image_px))}}
             for k in range(images * r + 1, images * r + images)]
         bodies.append(body)
 
     def measure(server) -> dict:
         with futures.ThreadPoolExecutor(max_workers=batch) as clients:
-            outs = list(clients.map(lambda body: stream_chat(server, body), bodies))
-        # From the first to the last token of each request: the batch decoding together.
-        per_token = [(o["times"][-1] - o["times"][0]) / (o["usage"]["completion_tokens"] - 1)
-                     for o in outs]
-        return {"batch": batch, "visual_tokens": images * IMAGE_TOKENS,
+            outs = list(clients.map(lambda body: stream_chat(server, body, timeout=900), bodies))
+        arrivals = [[o["sent"] + t for t in o["times"]] for o in outs]
+        together = max(a[0] for a in arrivals)
+        windows = [[t for t in a if t >= together] for a in arrivals]
+        if min(len(w) for w in windows) < 8:
+            raise RuntimeError(f"the batch decoded together for under 8 tokens; raise max_tokens "
+                               f"({max_tokens})")
+        per_token = [(w[-1] - w[0]) / (len(w) - 1) for w in windows]
+        return {"batch": batch, "visual_tokens": images * (image_px // 28) ** 2,
                 "prompt_tokens": outs[0]["usage"]["prompt_tokens"],
-                "output_tokens": outs[0]["usage"]["completion_tokens"],
+                "tokens_timed": min(len(w) for w in windows),
                 "decode_ms_per_token": round(1000 * sum(per_token) / len(per_token), 1),
                 "ttft_p50_ms": round(1000 * percentile([o["times"][0] for o in outs], 0.5))}
 
-    return on_each(model, servers, [], log_dir / "decode", measure,
-                   ["decode_ms_per_token", "ttft_p50_ms"])
+    pool = batch * (images * (image_px // 28) ** 2 + 64 + max_tokens)
+    extra = ["--max-total-tokens", str(pool), "--max-running-requests", str(batch)]
+    return on_each(model, servers, extra, log_dir / "decode",
+                   measure, ["decode_ms_per_token", "ttft_p50_ms"])
 
 
 def run_batch(server, b: int, max_tokens: int) -> tuple[int, int]:

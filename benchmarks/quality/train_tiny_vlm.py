@@ -237,7 +237,17 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0, help="model init and data seed")
     p.add_argument("--grid", type=int, default=16, help="cells per side (image = grid*28 px)")
-    p.add_argument("--qtypes", default=",".join(DEFAULT_QTYPES))
+    p.add_argument("--qtypes", default=",".join(DEFAULT_QTYPES),
+                   help="question types of validation (and of training, unless --train-qtypes)")
+    p.add_argument("--train-qtypes", default="",
+                   help="question types drawn for training; a type listed k times is drawn k "
+                        "times as often (weights the types the model still gets wrong)")
+    p.add_argument("--data-start", type=int, default=0,
+                   help="first training image index (a continued run starts past the images "
+                        "its --init checkpoint saw)")
+    p.add_argument("--init", default="",
+                   help="start from this checkpoint's weights (same architecture) instead of "
+                        "a random init; the model flags are then taken from it")
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--eval-images", type=int, default=50, help="validation images")
     p.add_argument("--eval-questions", type=int, default=4, help="questions per val image")
@@ -267,7 +277,8 @@ def main(argv=None) -> int:
     random.seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    qtypes = tuple(q for q in args.qtypes.split(",") if q)
+    qtypes = tuple(dict.fromkeys(q for q in args.qtypes.split(",") if q))
+    train_qtypes = tuple(q for q in (args.train_qtypes or args.qtypes).split(",") if q)
     image_size = args.grid * 28
     save_dtype = torch.bfloat16 if args.save_dtype == "bf16" else torch.float32
 
@@ -278,7 +289,16 @@ def main(argv=None) -> int:
                           vision_depth=args.vision_depth, vision_heads=args.vision_heads)
     from transformers import Qwen2VLForConditionalGeneration
 
-    model = Qwen2VLForConditionalGeneration(config)
+    if args.init:
+        model = Qwen2VLForConditionalGeneration.from_pretrained(args.init, dtype=torch.float32)
+        text = model.config.text_config
+        args.hidden, args.layers = text.hidden_size, text.num_hidden_layers
+        args.heads, args.kv_heads = text.num_attention_heads, text.num_key_value_heads
+        args.vision_dim = model.config.vision_config.embed_dim
+        args.vision_depth = model.config.vision_config.depth
+        args.vision_heads = model.config.vision_config.num_heads
+    else:
+        model = Qwen2VLForConditionalGeneration(config)
     model.train()
     tied = None
     if args.aux_tied:
@@ -293,8 +313,8 @@ def main(argv=None) -> int:
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay,
                             betas=(0.9, 0.98))
 
-    train = iter_items("train", args.seed, grid=args.grid, questions_per_image=args.turns,
-                       qtypes=qtypes)
+    train = iter_items("train", args.seed, start=args.data_start, grid=args.grid,
+                       questions_per_image=args.turns, qtypes=train_qtypes)
     val = make_split("validation", args.eval_images, args.eval_questions, seed=args.seed,
                      grid=args.grid, qtypes=qtypes)
     log_path = out / "training_log.jsonl"

@@ -322,6 +322,8 @@ class Controller:
         record = self.records.pop(req.rid, None)
         if record is not None:
             restore(req, record)
+        if not getattr(req, "retracted_stain", False):
+            req.unicache_reused = 0  # SGLang counts cached_tokens at the first prefill only
         if not self.active or req.kv.holds_kv or req.is_retracted:
             match()  # a retracted request is prefilled again from its own tokens
             return
@@ -340,6 +342,7 @@ class Controller:
                 removed_before += span.removed
             if covered == candidates:
                 self.records[req.rid] = record
+                req.unicache_reused = record.removed  # usage: cached tokens as the user sent them
                 self.stats.spans_reused += len(covered)
                 return
             restore(req, record)

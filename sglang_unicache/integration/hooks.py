@@ -174,11 +174,13 @@ def after_reset_for_retract(result: Any, req: Any, *args: Any, **kwargs: Any) ->
 
 def around_stream_accept(original: Any, accumulator: Any, *args: Any, req: Any,
                          **kwargs: Any) -> Any:
-    """Usage reports the prompt as the user sent it, not the compacted row."""
+    """Usage reports the prompt as the user sent it, not the compacted row: prompt tokens with
+    the entries compression removed, cached tokens with those of the compressed spans reused."""
     before = len(accumulator.prompt_tokens)
     result = original(accumulator, *args, req=req, **kwargs)
     if len(accumulator.prompt_tokens) > before:
         accumulator.prompt_tokens[-1] += getattr(req, "unicache_removed", 0)
+        accumulator.cached_tokens[-1] += getattr(req, "unicache_reused", 0)
     return result
 
 

@@ -18,7 +18,8 @@ def chat(server, body: dict, timeout: float = 120) -> dict:
 def stream_chat(server, body: dict, timeout: float = 300) -> dict:
     """Send ``body`` with ``stream=True``: the answer ``content``, the final ``usage`` and
     ``times``, the arrival of every chunk that carried a choice (seconds after sending; the first
-    one comes with the first output token, so ``times[0]`` is the time to first token)."""
+    one comes with the first output token, so ``times[0]`` is the time to first token), and
+    ``sent``, the ``time.perf_counter()`` of sending (to line up concurrent requests)."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     content, times, usage = [], [], None
@@ -33,7 +34,7 @@ def stream_chat(server, body: dict, timeout: float = 300) -> dict:
             for choice in chunk.get("choices", []):
                 times.append(time.perf_counter() - start)
                 content.append(choice["delta"].get("content") or "")
-    return {"content": "".join(content), "usage": usage, "times": times}
+    return {"content": "".join(content), "usage": usage, "times": times, "sent": start}
 
 
 def answer(out: dict) -> str:

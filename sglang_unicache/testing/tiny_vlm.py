@@ -91,7 +91,7 @@ def build_tokenizer(vocab_size: int = 640, extra_words: tuple[str, ...] | list[s
 
 def build_config(tokenizer, *, hidden: int = 64, layers: int = 2, vision_dim: int = 32,
                  heads: int = 4, kv_heads: int = 2, vision_depth: int = 2,
-                 vision_heads: int = 2):
+                 vision_heads: int = 2, context: int = 4096):
     from transformers import Qwen2VLConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
@@ -105,7 +105,7 @@ def build_config(tokenizer, *, hidden: int = 64, layers: int = 2, vision_dim: in
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=4096,
+        max_position_embeddings=context,
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                          "mrope_section": mrope_section},
@@ -147,7 +147,7 @@ def _patch_config_json(path: Path, *, text_keys: dict) -> None:
 
 
 def build_tiny_qwen2_vl(out_dir: str | Path, *, image_size: int = 224, seed: int = 0,
-                        hidden: int = 64, layers: int = 2) -> Path:
+                        hidden: int = 64, layers: int = 2, context: int = 4096) -> Path:
     """Write a complete checkpoint (weights, config, tokenizer, processor) to ``out_dir``.
 
     ``image_size`` fixes the processor's pixel budget: an ``image_size`` square image gives
@@ -158,7 +158,7 @@ def build_tiny_qwen2_vl(out_dir: str | Path, *, image_size: int = 224, seed: int
 
     out = Path(out_dir)
     tokenizer = build_tokenizer()
-    config = build_config(tokenizer, hidden=hidden, layers=layers)
+    config = build_config(tokenizer, hidden=hidden, layers=layers, context=context)
     torch.manual_seed(seed)
     model = Qwen2VLForConditionalGeneration(config).to(torch.bfloat16)
     return save_checkpoint(model, tokenizer, out, image_size=image_size)

@@ -84,9 +84,9 @@ def test_reused_span_tokens_equal_the_prune_then_prefill_reference(random_server
     kept = kept_entries(config, text.num_hidden_layers, warm["input_ids"].shape[1],
                         text.num_key_value_heads, text.hidden_size // text.num_attention_heads,
                         span)
-    # Tokens the server took from the tree, in original coordinates (the span counts N there).
-    removed = (span[1] - span[0]) - kept[0].shape[1]
-    shared = served["usage"]["prompt_tokens_details"]["cached_tokens"] + removed
+    # Tokens the server took from the tree, in original coordinates (usage counts the span as
+    # its N image tokens).
+    shared = served["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert shared > span[1], "the request did not reuse the cached span"
     reference = greedy_with_pruned_cache(model, inputs, span, kept, NEW_TOKENS, prune_at=shared)
     own = greedy_with_pruned_cache(model, inputs, span, kept, NEW_TOKENS)
