@@ -291,6 +291,8 @@ def main(argv=None) -> int:
 
     if args.init:
         model = Qwen2VLForConditionalGeneration.from_pretrained(args.init, dtype=torch.float32)
+        for sub in (model.config.text_config, model.config.vision_config):
+            sub.dtype = save_dtype  # as saved (loading in fp32 would record float32 here)
         text = model.config.text_config
         args.hidden, args.layers = text.hidden_size, text.num_hidden_layers
         args.heads, args.kv_heads = text.num_attention_heads, text.num_key_value_heads
