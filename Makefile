@@ -25,16 +25,18 @@ lint: setup
 format: setup
 	$(VENV)/bin/ruff format sglang_unicache tests benchmarks examples
 
-# ~25 minutes on the 2-core machine: perf.py, all six parts against stock SGLang (~23 min, mostly
-# the 17 server starts), then bench_policy.py (~2 min). Results: runs/perf.json, logs runs/perf-logs.
+# Measured on a fresh clone, quiet 2-core machine: 19.8 minutes in all (setup 5 min, perf.py 16 min:
+# all six parts against stock SGLang, 22 server starts; bench_policy.py 1 min). Results:
+# runs/perf.json, logs runs/perf-logs. Do not run it beside other jobs: see BENCHMARKS.md.
 bench: setup
 	$(PY) benchmarks/perf.py --out runs/perf.json
 	$(PY) benchmarks/bench_policy.py --reps 2 --dtype bf16
 
 # Quality vs keep ratio (issue 6): the transformers reference on 40 items per setting, then
-# eval_serving.py for full + 7 methods x 5 keep ratios, reuse and long settings (36 server starts:
-# an estimate of one to two hours on the 2-core machine), then the tables, target checks and plots.
-# Results: runs/quality.json, runs/quality.md, docs/img/quality-{reuse,long}.png.
+# eval_serving.py for full + 7 methods x 5 keep ratios, reuse and long settings, and UniCache with
+# its former query-robustness blend (unicache-qw0.6); 41 server starts, ~35 minutes on the quiet
+# 2-core machine; then the tables, target checks and plots.
+# Results: runs/quality.json, runs/quality-qw.json, runs/quality.md, docs/img/quality-*.png.
 QUALITY_MODEL ?= sglang_unicache/checkpoints/tiny-vqa-qwen2-vl
 quality: setup
 	$(VENV)/bin/pip install -q -e '.[test,bench]'
@@ -42,5 +44,8 @@ quality: setup
 		--methods full,random,knorm,h2o,snapkv,pyramidkv,aircache,unicache \
 		--ratios 0.01,0.05,0.1,0.25,0.5 --settings reuse,long --images 30 --transformers-check 40 \
 		--out runs/quality.json
-	$(PY) benchmarks/quality/report.py runs/quality.json --plot-dir docs/img \
+	$(PY) benchmarks/quality/eval_serving.py --model $(QUALITY_MODEL) --methods unicache \
+		--ratios 0.01,0.05,0.1,0.25,0.5 --settings reuse,long --images 30 \
+		--set query_weight=0.6 --set anchor_fraction=0.05 --label=-qw0.6 --out runs/quality-qw.json
+	$(PY) benchmarks/quality/report.py runs/quality.json runs/quality-qw.json --plot-dir docs/img \
 		--markdown runs/quality.md

@@ -12,8 +12,8 @@ estimated.
 
 3, 4 and 6 (workload, decode, concurrency: the serving workload) are in ``perf_workload.py``.
 
-    python benchmarks/perf.py --out runs/perf.json          # all parts: ~23 minutes on 2 CPU cores
-    python benchmarks/perf.py --parts memory,capacity,overhead   # ~10 minutes
+    python benchmarks/perf.py --out runs/perf.json          # all parts: 16 minutes, 2 quiet cores
+    python benchmarks/perf.py --parts memory,capacity,overhead   # ~7 minutes
 """
 
 from __future__ import annotations
