@@ -116,6 +116,7 @@ def decode(model: Path, servers: dict[str, list[str]], log_dir: Path, *, batch: 
     """Time per output token while all ``batch`` requests decode together: counted from the
     moment the last request got its first token (every prefill done) to the end of each
     request, so prefill stalls of requests still arriving stay out of it."""
+    image_tokens = (image_px // 28) ** 2
     bodies = []
     for r in range(batch):
         body = image_chat(picture(1000 + images * r, image_px), "describe the picture",
@@ -131,17 +132,18 @@ def decode(model: Path, servers: dict[str, list[str]], log_dir: Path, *, batch: 
         arrivals = [[o["sent"] + t for t in o["times"]] for o in outs]
         together = max(a[0] for a in arrivals)
         windows = [[t for t in a if t >= together] for a in arrivals]
-        if min(len(w) for w in windows) < 8:
+        timed = min(len(w) for w in windows)
+        if timed < 8:
             raise RuntimeError(f"the batch decoded together for under 8 tokens; raise max_tokens "
                                f"({max_tokens})")
         per_token = [(w[-1] - w[0]) / (len(w) - 1) for w in windows]
-        return {"batch": batch, "visual_tokens": images * (image_px // 28) ** 2,
+        return {"batch": batch, "visual_tokens": images * image_tokens,
                 "prompt_tokens": outs[0]["usage"]["prompt_tokens"],
-                "tokens_timed": min(len(w) for w in windows),
+                "tokens_timed": timed,
                 "decode_ms_per_token": round(1000 * sum(per_token) / len(per_token), 1),
                 "ttft_p50_ms": round(1000 * percentile([o["times"][0] for o in outs], 0.5))}
 
-    pool = batch * (images * (image_px // 28) ** 2 + 64 + max_tokens)
+    pool = batch * (images * image_tokens + 64 + max_tokens)
     extra = ["--max-total-tokens", str(pool), "--max-running-requests", str(batch)]
     return on_each(model, servers, extra, log_dir / "decode",
                    measure, ["decode_ms_per_token", "ttft_p50_ms"])
