@@ -13,7 +13,8 @@ Order of operations (UniCache seed §3.2, §5.3, §6.3, §7):
 3. modality budgets (``compress_text`` only), then per-layer budgets per span;
 4. per layer and span: protected > recent > anchors > score, top-K per head, sorted ascending;
 5. reduction (evict / merge); quantization happens in ``execute`` (after token compression);
-6. the KL self-check on the last layers sets the fallback flag.
+6. the self-check on the last layers (§7.1); a failure doubles the keep ratio up to
+   ``escalate_max_keep`` and plans again, and sets the fallback flag only past that cap.
 
 Hot paths are vectorised over heads and tokens; Python loops are over layers and spans only. The
 only host syncs per plan are budget bookkeeping (small CPU tensors) and the final self-check value.
@@ -122,20 +123,42 @@ class Method:
             n_align = int(alignment.sum()) if alignment is not None else 0
             n_v = int(ctx.is_visual.sum())
             keep, complexity = dynamic_keep_ratio(cfg, n_v, inputs.num_tokens - n_v, n_align)
+        use_align = align_score if self.protects_alignment else None
+        plans, check = self._plan_spans(ctx, scores, keep, use_align, identity)
+        escalations = 0
+        while check is not None and not check.passed and keep < cfg.escalate_max_keep:
+            # A failed check doubles the budget up to the cap before the caller falls back to the
+            # full KV (seed §7.1 fallback made graded; the scores are reused, only K changes).
+            keep = min(2.0 * keep, cfg.escalate_max_keep)
+            escalations += 1
+            plans, check = self._plan_spans(ctx, scores, keep, use_align, identity)
+        return RequestPlan(self.name, plans, keep, check, complexity, alignment, escalations)
+
+    def _plan_spans(
+        self,
+        ctx: PlanContext,
+        scores: list[Tensor],
+        keep: float,
+        align_score: Tensor | None,
+        identity: bool,
+    ) -> tuple[list[CompressionPlan], SelfCheckResult | None]:
+        """Every span planned at one keep ratio, and the self-check of the result."""
+        cfg = self.config
         keep_v, keep_t = modality_keep(ctx, keep) if cfg.compress_text else (keep, 1.0)
         plans = []
         for seg in ctx.segments:
             seg_keep = keep_v if seg.modality == "image" else keep_t
-            use_align = align_score if self.protects_alignment else None
-            plans.append(self._plan_segment(ctx, seg, scores, seg_keep, use_align, identity))
+            plans.append(self._plan_segment(ctx, seg, scores, seg_keep, align_score, identity))
         check = None
         if cfg.selfcheck and not identity:
             check = self_check(ctx, plans)
         elif cfg.selfcheck:
-            check = SelfCheckResult(0.0, cfg.kl_threshold, (), False, True)
+            check = SelfCheckResult(
+                cfg.selfcheck_statistic, 0.0, cfg.selfcheck_threshold, (), False, True
+            )
         for p in plans:
             p.selfcheck = check
-        return RequestPlan(self.name, plans, keep, check, complexity, alignment)
+        return plans, check
 
     def execute(
         self,

@@ -26,6 +26,7 @@ KNOWN_REDUCERS = ("evict", "merge")
 QUANTIZATIONS = ("off", "int8", "int4")
 LAYER_FILLS = ("none", "next")
 MODALITY_ALLOCATIONS = ("density", "fixed")
+SELFCHECK_STATISTICS = ("kl", "kl_head", "image_mass_lost", "output_error", "key_coverage")
 
 # Seed §8.2 scenario presets, as overrides of the §8.1 defaults. keep_ratio is never changed by a
 # preset: it is the user's explicit request (see module docstring).
@@ -138,9 +139,15 @@ class UniCacheConfig:
     layer_fill: str = "none"  # "next": pad every layer to physical_slots with next-best tokens
 
     # -- self-check and dynamic rate (seed §7.1, §7.2) -----------------------------------------
+    # The statistic and threshold come from docs/selfcheck.md (which statistic predicts that a
+    # reused compressed image answers differently); the seed's KL at 0.1 vetoed every image.
     selfcheck: bool = True
-    kl_threshold: float = 0.1
+    selfcheck_statistic: str = "kl"  # what the check compares (checks/selfcheck.py)
+    selfcheck_threshold: float = 0.1  # above it the check fails
     selfcheck_layers: int = 2  # last layers checked
+    # A failed check doubles the keep ratio up to this cap (re-planned from the same scores)
+    # before the request falls back to its full KV; <= keep_ratio means no escalation (ours).
+    escalate_max_keep: float = 0.4  # a failed check doubles keep up to this, then full KV
     dynamic_rate: bool = False  # derive the keep ratio from input complexity (§7.2)
     complexity_lambda: float = 2.0
     dynamic_rate_min: float = 0.4
@@ -210,10 +217,13 @@ class UniCacheConfig:
             _unit(name, getattr(self, name))
         _unit("recompress_factor", self.recompress_factor, low_open=True, high_open=True)
         _unit("anchor_fraction", self.anchor_fraction, high_open=True)
-        if not (math.isfinite(self.kl_threshold) and self.kl_threshold > 0):
+        _choice("selfcheck_statistic", self.selfcheck_statistic, SELFCHECK_STATISTICS)
+        if not (math.isfinite(self.selfcheck_threshold) and self.selfcheck_threshold > 0):
             raise ValueError(
-                f"unicache config: kl_threshold must be > 0, got {self.kl_threshold!r}"
+                "unicache config: selfcheck_threshold must be > 0, got "
+                f"{self.selfcheck_threshold!r}"
             )
+        _unit("escalate_max_keep", self.escalate_max_keep, low_open=True)
         _int_range("redundancy_window", self.redundancy_window, 1, 64)
         _int_range("selfcheck_layers", self.selfcheck_layers, 1, 1 << 10)
         _choice("modality_allocation", self.modality_allocation, MODALITY_ALLOCATIONS)

@@ -252,25 +252,35 @@ class ByteReport:
 
 @dataclass(frozen=True)
 class SelfCheckResult:
-    """KL self-check (seed §7.1): ``passed`` False tells the caller to keep the full KV."""
+    """Self-check (seed §7.1): ``passed`` False tells the caller to escalate the budget or keep
+    the full KV. ``value`` is the deciding ``statistic``; ``stats`` holds every statistic the check
+    computed (``checks/selfcheck.py``), so they can be studied against answer quality."""
 
-    kl: float
+    statistic: str
+    value: float
     threshold: float
     layers: tuple[int, ...]
     checked: bool  # False when no observation query sees the compressed spans
     passed: bool
+    stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def kl(self) -> float:
+        return self.stats.get("kl", 0.0)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "layers": list(self.layers)}
+        return {**self.__dict__, "layers": list(self.layers), "stats": dict(self.stats)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SelfCheckResult:
         return cls(
-            float(d["kl"]),
+            str(d["statistic"]),
+            float(d["value"]),
             float(d["threshold"]),
             tuple(d["layers"]),
             bool(d["checked"]),
             bool(d["passed"]),
+            {k: float(v) for k, v in d.get("stats", {}).items()},
         )
 
 
@@ -340,6 +350,8 @@ class RequestPlan:
 
     keep_ratio: the ratio actually used (differs from the config with dynamic_rate, §7.2).
     complexity: the §7.2 complexity score of the original input (None when not computed).
+    escalations: how many times a failed self-check doubled the keep ratio (``keep_ratio`` is
+        the one the spans were planned at).
     alignment: ``[T]`` bool alignment tokens found (seed §5.3), text and image; None if not
         computed.
     """
@@ -350,6 +362,7 @@ class RequestPlan:
     selfcheck: SelfCheckResult | None = None
     complexity: float | None = None
     alignment: Tensor | None = None
+    escalations: int = 0
 
     @property
     def fallback(self) -> bool:
@@ -366,6 +379,7 @@ class RequestPlan:
             "selfcheck": self.selfcheck.to_dict() if self.selfcheck else None,
             "complexity": self.complexity,
             "alignment": _cpu(self.alignment),
+            "escalations": self.escalations,
         }
 
     @classmethod
@@ -378,6 +392,7 @@ class RequestPlan:
             SelfCheckResult.from_dict(sc) if sc else None,
             d.get("complexity"),
             d.get("alignment"),
+            int(d.get("escalations", 0)),
         )
 
 

@@ -61,9 +61,19 @@ def server_factory(tiny_model):
         server.stop()
 
 
+def assert_integrity(server) -> None:
+    """The plugin's ``check_integrity`` (slots in exactly one place, span metadata on live
+    nodes), read through ``/server_info``."""
+    from sglang_unicache.testing.client import internal_state
+
+    assert internal_state(server)["unicache"]["integrity"] == []
+
+
 @pytest.fixture
 def unicache_server(server_factory):
-    return server_factory("--unicache", "--unicache-keep-ratio", "0.25", "--enable-cache-report")
+    server = server_factory("--unicache", "--unicache-keep-ratio", "0.25", "--enable-cache-report")
+    yield server
+    assert_integrity(server)
 
 
 @pytest.fixture(scope="session")
@@ -96,6 +106,10 @@ def stock(server_factory):
 
 @pytest.fixture
 def compressing(server_factory, nocheck_config):
-    """key-norm at 25%: query-independent, so the spans it compresses are shared."""
-    return server_factory("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio",
-                          str(KEEP), "--unicache-config", nocheck_config, "--enable-cache-report")
+    """key-norm at 25%: query-independent, so the spans it compresses are shared. The plugin's
+    integrity check must hold after every test."""
+    server = server_factory("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio",
+                            str(KEEP), "--unicache-config", nocheck_config,
+                            "--enable-cache-report")
+    yield server
+    assert_integrity(server)

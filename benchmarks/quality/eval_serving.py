@@ -86,21 +86,31 @@ def long_items(images: int, seed: int, grid: int) -> list:
                       qtypes=LONG_ANSWER_QTYPES[::2])
 
 
-def run_reuse(server, images: int, questions: int, seed: int, grid: int) -> tuple[dict, int]:
+def run_reuse(server, images: int, questions: int, seed: int,
+              grid: int) -> tuple[dict, int, list[dict]]:
+    """The reuse score, the spans reused, and per image the warming request's self-check (its
+    last ``recent_checks`` entry, or None) with the correctness of the questions that reused it."""
     items = reuse_items(images, questions, seed, grid)
-    rows, reused = [], 0
+    rows, reused, per_image = [], 0, []
     groups: dict[str, list] = {}
     for item in items:
         groups.setdefault(item.image_id, []).append(item)
     for group in groups.values():
         flush_cache(server)
+        last = (internal_state(server).get("unicache", {}).get("recent_checks") or [{}])[-1]
         ask(server, group[0], MAX_TOKENS)  # warms the cache: compresses the image
-        before = internal_state(server).get("unicache", {}).get("spans_reused", 0)
+        state = internal_state(server).get("unicache", {})
+        check = (state.get("recent_checks") or [{}])[-1]
+        check = check if check.get("rid") not in (None, last.get("rid")) else None
+        before = state.get("spans_reused", 0)
+        correct = []
         for item in group[1:]:
             got = ask(server, item, MAX_TOKENS)
+            correct.append(int(got == item.answer))
             rows.append({"qtype": item.qtype, "correct": got == item.answer})
         reused += internal_state(server).get("unicache", {}).get("spans_reused", 0) - before
-    return score(rows), reused
+        per_image.append({"image": group[0].image_id, "check": check, "correct": correct})
+    return score(rows), reused, per_image
 
 
 def run_long(server, images: int, seed: int, grid: int) -> dict:
@@ -151,8 +161,10 @@ def main() -> None:
     parser.add_argument("--transformers-check", type=int, default=0, metavar="N",
                         help="before serving, score the first N scored items of each setting "
                              "with transformers (method 'transformers'); 0 skips it")
-    parser.add_argument("--selfcheck", action="store_true",
-                        help="keep the KL self-check on (default off: score the method itself)")
+    parser.add_argument("--selfcheck", choices=("off", "on", "record"), default="off",
+                        help="off: score the method itself; on: the shipped self-check (and its "
+                             "escalation); record: compute every self-check statistic but never "
+                             "act on it (per-image records under 'images', docs/selfcheck.md)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra policy config (YAML values), e.g. query_weight=1.0")
     parser.add_argument("--label", default="",
@@ -168,7 +180,9 @@ def main() -> None:
     import yaml
 
     extra = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)}
-    config.write_text(json.dumps({"selfcheck": bool(args.selfcheck), **extra}))
+    check = {"off": {"selfcheck": False}, "on": {},
+             "record": {"selfcheck_threshold": 1e30, "escalate_max_keep": 1e-9}}[args.selfcheck]
+    config.write_text(json.dumps({**check, **extra}))
     settings = args.settings.split(",")
     results = []
 
@@ -193,9 +207,9 @@ def main() -> None:
                                   f"runs/quality-{method}{args.label}-{ratio}.log")
             try:
                 entry = {"method": method + args.label, "keep_ratio": float(ratio),
-                         "config": extra}
+                         "config": extra, "selfcheck": args.selfcheck}
                 if "reuse" in settings:
-                    entry["reuse"], entry["spans_reused"] = run_reuse(
+                    entry["reuse"], entry["spans_reused"], entry["images"] = run_reuse(
                         server, args.images, args.questions, args.seed, args.grid)
                 if "long" in settings:
                     entry["long"] = run_long(server, args.images, args.seed, args.grid)
@@ -206,7 +220,8 @@ def main() -> None:
             results.append(entry)
             print(json.dumps({k: ({s: v for s, v in val.items() if s != "correct"}
                                   if k in ("reuse", "long") else val)
-                              for k, val in entry.items() if k != "stats"}), flush=True)
+                              for k, val in entry.items() if k not in ("stats", "images")}),
+                  flush=True)
             save()
 
 

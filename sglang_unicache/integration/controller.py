@@ -12,7 +12,9 @@ Life of a request with an image (non-overlap scheduler):
    free N - K slots per image, and rewrite the request so every length agrees: its token ids (the
    span becomes K ids derived from the image, the config and, for query-dependent methods, the
    request), ``extend_end``, KV lengths, the batch's ``seq_lens``, and its M-RoPE data.
-4. A self-check failure or any error leaves the request on its full KV (counted as a fallback).
+4. A failed self-check doubles the budget up to ``escalate_max_keep`` (counted as escalations);
+   past the cap, or on any error, the request keeps its full KV (counted as a fallback or an
+   error). When most recent images fall back, one warning line says so and names the keys.
 5. ``on_retract`` restores the original ids and positions, so a retracted request is prefilled
    again from its real tokens (and compressed again).
 """
@@ -23,6 +25,7 @@ import hashlib
 import json
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +33,13 @@ import torch
 from sglang_unicache.config import UniCacheConfig
 from sglang_unicache.integration.capture import CaptureTarget, QueryCapture
 from sglang_unicache.integration.compaction import SpanResult, compact_row, gather_prompt_kv
-from sglang_unicache.integration.rewrite import Rewrite, SpanRewrite, restore, rewrite
+from sglang_unicache.integration.rewrite import (
+    Rewrite,
+    SpanRewrite,
+    original_position,
+    restore,
+    rewrite,
+)
 from sglang_unicache.integration.spans import SpanIndex, SpanMeta
 from sglang_unicache.registry import build_method
 from sglang_unicache.types import ImageSpan, ScoreInputs
@@ -51,6 +60,13 @@ def merge_runs(offsets) -> list[tuple[int, int]]:
     return [(start, end) for start, end in spans]
 
 
+def full_kv_only(req) -> bool:
+    """Requests served on their full KV, like stock SGLang: those that return logprobs. SGLang
+    computes their prompt logprobs over the prompt as sent, after the point where compaction
+    shortens it, and counts them against its length (issue 14, defect 3b)."""
+    return bool(req.return_logprob)
+
+
 def namespace(req) -> tuple[object, object]:
     """The radix tree's namespace of a request: spans never cross it (tenancy)."""
     return (req.extra_key, req.cache_salt or None)
@@ -61,13 +77,21 @@ def namespace(req) -> tuple[object, object]:
 COMPRESSED_ID_BASE = 1_000_000
 COMPRESSED_ID_MASK = (1 << 62) - (1 << 24)  # room for 2**24 consecutive ids, below 2**63
 
+# One warning line when more than this share of the last FALLBACK_WINDOW checked requests kept
+# their full KV: the user is running a no-op and should know which keys to look at.
+FALLBACK_WINDOW = 32
+FALLBACK_WARN_SHARE = 0.5
+RECENT_CHECKS = 64  # self-check outcomes kept for /server_info
+
 
 @dataclass
 class Stats:
     images_compressed: int = 0
     requests_compressed: int = 0
     slots_freed: int = 0
-    fallbacks: int = 0
+    fallbacks: int = 0  # requests whose self-check failed even at escalate_max_keep: full KV kept
+    escalations: int = 0  # budget doublings after a failed self-check
+    errors: int = 0  # compressions that raised: full KV kept
     skipped_cached: int = 0
     spans_reused: int = 0
     spans_recompressed: int = 0  # cached spans shrunk under memory pressure (radix_cache.py)
@@ -95,8 +119,9 @@ class Controller:
     allocator: object
     stats: Stats = field(default_factory=Stats)
     pending: dict[str, Pending] = field(default_factory=dict)
-    # Requests whose ids carry compressed spans (compressed themselves or reusing), to undo.
-    records: dict[str, Rewrite] = field(default_factory=dict)
+    # Requests whose ids carry compressed spans, with every rewrite (the reuse rewrite at match
+    # time, then the compression of its own new images), oldest first, to undo newest first.
+    records: dict[str, list[Rewrite]] = field(default_factory=dict)
     capture: QueryCapture | None = None
     metrics: object | None = None  # metrics.Metrics with --enable-metrics
     tree: object | None = None  # radix_cache.CompressedRadixCache, unless the radix cache is off
@@ -104,13 +129,21 @@ class Controller:
     # Spans compressed so far (what a later request needs to build the ids it looks up in the
     # tree) and the ones a request compressed, until its KV is in the tree.
     spans: SpanIndex = field(default_factory=SpanIndex)
-    fresh: dict[str, list[SpanMeta]] = field(default_factory=dict)
+    fresh: dict[str, list[tuple[int, SpanMeta]]] = field(default_factory=dict)  # (row pos, meta)
 
     def __post_init__(self) -> None:
         # A slot spans every layer, so every layer keeps the same number of entries: layers whose
         # budget is smaller are filled with their next-best tokens (DESIGN.md §5).
         self.method = build_method(self.config.replace(layer_fill="next"))
         self.active = self.config.method != "full" and self.config.keep_ratio < 1.0
+        self.recent_checks: deque[dict] = deque(maxlen=RECENT_CHECKS)
+        self.outcomes: deque[bool] = deque(maxlen=FALLBACK_WINDOW)  # True: full KV kept
+        self.since_warning = FALLBACK_WINDOW
+        cfg = self.config
+        if self.active and cfg.selfcheck:
+            logger.info("sglang-unicache: %s at keep %.3g; self-check %s <= %.3g, escalating up "
+                        "to keep %.3g before keeping full KV", cfg.method, cfg.keep_ratio,
+                        cfg.selfcheck_statistic, cfg.selfcheck_threshold, cfg.escalate_max_keep)
         digest = json.dumps(self.config.to_dict(), sort_keys=True, default=str)
         self.config_digest = hashlib.sha256(digest.encode()).hexdigest()[:16]
 
@@ -137,15 +170,10 @@ class Controller:
         offset = 0
         for i, (req, extend_len) in enumerate(zip(batch.reqs, batch.extend_lens, strict=True)):
             start_row, offset = offset, offset + extend_len
-            spans = self.image_spans(req)
-            if not spans or req.rid in self.records:
-                continue
             if req.extend_end != len(req.full_untruncated_fill_ids):
                 continue  # a middle chunk: compress when the prompt is complete
-            if any(start < req.kv.cache_protected_len for start, _, _ in spans):
-                # Part of an image came from the tree: those slots are shared, so this request
-                # keeps its full KV.
-                self.stats.skipped_cached += 1
+            spans = self.new_image_spans(req)
+            if not spans:
                 continue
             w = min(self.config.observation_window, extend_len)
             targets.append(CaptureTarget(
@@ -158,11 +186,27 @@ class Controller:
         self.pending = {t.rid: Pending(batch, t, spans_of[t.rid]) for t in targets}
         return self.capture
 
+    def new_image_spans(self, req) -> list[tuple[int, int, int]]:
+        """The request's images that this prefill computes (in its current ids): the ones past
+        the prefix it took from the tree. Images the tree supplied (compressed spans reused, or
+        an uncompressed copy) are shared and stay as they are; a later chat turn or agent step
+        still compresses the new images it brings."""
+        if full_kv_only(req):
+            return []
+        protected = req.kv.cache_protected_len
+        spans = []
+        for start, end, pad in self.image_spans(req):
+            if start >= protected:
+                spans.append((start, end, pad))
+            elif end > protected:  # part of an image from the tree: its slots are shared
+                self.stats.skipped_cached += 1
+        return spans
+
     def defer_chunk_checkpoint(self, req) -> bool:
         """True for a middle prefill chunk of a request with images to compress: its KV stays
         the request's own (not inserted into the tree) until the last chunk is compressed."""
-        return (self.active and req.rid not in self.records
-                and req.extend_end < len(req.full_untruncated_fill_ids)
+        return (self.active and req.extend_end < len(req.full_untruncated_fill_ids)
+                and not full_kv_only(req)
                 and any(start >= req.kv.cache_protected_len
                         for start, _, _ in self.image_spans(req)))
 
@@ -175,7 +219,8 @@ class Controller:
         try:
             self._compress(req, pending, self.capture.queries_of(pending.target))
         except Exception:
-            self.stats.fallbacks += 1
+            self.stats.errors += 1
+            self._record_outcome(True)
             logger.exception("sglang-unicache: compression failed for %s; keeping full KV",
                              req.rid)
         self.stats.compress_seconds += time.perf_counter() - start
@@ -196,10 +241,12 @@ class Controller:
         positions = torch.tensor(list(pending.target.positions), dtype=torch.int64)
         plan = self.method.plan(ScoreInputs(keys, values, spans, obs_queries=queries,
                                             obs_positions=positions))
+        self._record_check(req.rid, plan)
         if plan.fallback:
             self.stats.fallbacks += 1
-            logger.info("sglang-unicache: self-check failed for %s (KL %.3f > %.3f); full KV kept",
-                        req.rid, plan.selfcheck.kl, plan.selfcheck.threshold)
+            logger.info("sglang-unicache: self-check failed for %s (%s %.3f > %.3f at keep %.3g);"
+                        " full KV kept", req.rid, plan.selfcheck.statistic, plan.selfcheck.value,
+                        plan.selfcheck.threshold, plan.keep_ratio)
             return
         results, plans = [], []
         for span_plan, (start, end, _) in zip(plan.image_plans(), pending.spans, strict=True):
@@ -215,12 +262,40 @@ class Controller:
         self.req_to_token[row_index, :length - removed] = compaction.row
         self.allocator.free(compaction.freed)
         self._rewrite_request(req, pending, results, removed)
-        self.fresh[req.rid] = self._span_metas(req, pending, results, plans, plan.selfcheck)
+        self.fresh[req.rid] = self._span_metas(req, pending, results, plans, plan.selfcheck,
+                                              plan.keep_ratio)
         self.stats.images_compressed += len(results)
         self.stats.requests_compressed += 1
         self.stats.slots_freed += removed
         logger.debug("sglang-unicache: %s compressed %d image(s), %d -> %d slots", req.rid,
                      len(results), length, length - removed)
+
+    def _record_check(self, rid: str, plan) -> None:
+        self.stats.escalations += plan.escalations
+        check = plan.selfcheck
+        if check is not None and check.checked:
+            self.recent_checks.append({
+                "rid": rid, "statistic": check.statistic, "value": check.value,
+                "threshold": check.threshold, "passed": check.passed,
+                "keep_ratio": plan.keep_ratio, "escalations": plan.escalations,
+                "stats": check.stats})
+        self._record_outcome(plan.fallback)
+
+    def _record_outcome(self, full_kept: bool) -> None:
+        """Warn once per window when most recent requests kept their full KV."""
+        self.outcomes.append(full_kept)
+        self.since_warning += 1
+        share = sum(self.outcomes) / len(self.outcomes)
+        if (len(self.outcomes) == FALLBACK_WINDOW and self.since_warning >= FALLBACK_WINDOW
+                and share > FALLBACK_WARN_SHARE):
+            self.since_warning = 0
+            cfg = self.config
+            logger.warning(
+                "sglang-unicache: %d of the last %d image requests kept their full KV (self-check"
+                " %s > %.3g even at keep %.3g); compression is mostly off: see the config keys "
+                "selfcheck_threshold and escalate_max_keep (docs/selfcheck.md)",
+                sum(self.outcomes), len(self.outcomes), cfg.selfcheck_statistic,
+                cfg.selfcheck_threshold, max(cfg.escalate_max_keep, cfg.keep_ratio))
 
     def compressed_ids(self, pad_id: int, start: int, count: int) -> tuple[int, ...]:
         """Token ids of a compressed span: one per kept entry, the same for the same image at the
@@ -234,9 +309,11 @@ class Controller:
     def _rewrite_request(self, req, pending: Pending, results: list[SpanResult],
                          removed: int) -> None:
         pads = {start: pad for start, _, pad in pending.spans}
-        spans = [SpanRewrite(r.start, r.end, self.compressed_ids(pads[r.start], r.start, r.kept))
+        earlier = self.records.get(req.rid, [])
+        spans = [SpanRewrite(r.start, r.end, self.compressed_ids(
+                    pads[r.start], original_position(r.start, earlier), r.kept))
                  for r in results]
-        self.records[req.rid] = rewrite(req, spans)
+        self.records[req.rid] = [*earlier, rewrite(req, spans)]
         req.extend_end -= removed
         req.kv.kv_committed_len -= removed
         req.kv.kv_allocated_len -= removed
@@ -251,17 +328,19 @@ class Controller:
             batch.seq_lens_sum -= removed
 
     def _span_metas(self, req, pending: Pending, results: list[SpanResult], plans,
-                    selfcheck) -> list[SpanMeta]:
+                    selfcheck, keep_ratio: float) -> list[SpanMeta]:
         pads = {start: pad for start, _, pad in pending.spans}
         row = self.req_to_token[req.kv.req_pool_idx]
+        earlier = self.records[req.rid][:-1]  # the rewrites before this compression's own
         metas, removed_before = [], 0
         for result, span_plan in zip(results, plans, strict=True):
             layers = span_plan.layers
             at = result.start - removed_before
-            metas.append(SpanMeta(
-                namespace=namespace(req), pad=pads[result.start], start=result.start,
+            start = original_position(result.start, earlier)
+            metas.append((at, SpanMeta(
+                namespace=namespace(req), pad=pads[result.start], start=start,
                 length=result.end - result.start,
-                ids=self.compressed_ids(pads[result.start], result.start, result.kept),
+                ids=self.compressed_ids(pads[result.start], start, result.kept),
                 kept=torch.stack([lp.kept for lp in layers]).to(torch.int32).cpu(),
                 priority=torch.stack([
                     lp.priority if lp.priority is not None
@@ -269,9 +348,9 @@ class Controller:
                 protected=span_plan.protected.cpu(),
                 merged=(torch.stack([lp.assign for lp in layers]).to(torch.int16).cpu()
                         if any(lp.merges for lp in layers) else None),
-                method=span_plan.method, keep_ratio=self.config.keep_ratio,
+                method=span_plan.method, keep_ratio=keep_ratio,
                 selfcheck=None if selfcheck is None else selfcheck.to_dict(),
-                slots=row[at:at + result.kept].clone()))
+                slots=row[at:at + result.kept].clone())))
             removed_before += result.end - result.start - result.kept
         return metas
 
@@ -283,17 +362,14 @@ class Controller:
         if not metas:
             return
         row = self.req_to_token[req.kv.req_pool_idx]
-        removed_before = 0
-        for meta in metas:
-            at = meta.start - removed_before
-            removed_before += meta.length - meta.count
+        for at, meta in metas:
             if not torch.equal(row[at:at + meta.count], meta.slots):
                 continue  # deduplicated against the tree's copy of this span
             meta.slots = None
-            self.spans.add(meta)
             node = cache.node_holding(req.last_node, meta.ids[0])
             if node is not None:
                 cache.attach(node, meta)
+                self.spans.add(meta)
 
     def move_entries(self, slots: torch.Tensor, keep: torch.Tensor) -> None:
         """Within a span's ``slots`` (K), move entries ``keep`` (``[L, H, K']``, per layer and
@@ -319,18 +395,19 @@ class Controller:
         Waiting requests are matched again every round, so this starts from the original ids
         each time (idempotent) and leaves either a consistent rewrite or the original request.
         """
-        record = self.records.pop(req.rid, None)
-        if record is not None:
-            restore(req, record)
+        self.undo(req)
         if not getattr(req, "retracted_stain", False):
             req.unicache_reused = 0  # SGLang counts cached_tokens at the first prefill only
-        if not self.active or req.kv.holds_kv or req.is_retracted:
+        if not self.active or req.kv.holds_kv or req.is_retracted or full_kv_only(req):
             match()  # a retracted request is prefilled again from its own tokens
             return
+        # SGLang matches at most the prompt's length - 1 (one token must be computed); a span
+        # past that cap would be cut in the middle, so it is not rewritten.
+        limit = len(req.origin_input_ids) - 1
         candidates = []
         for start, end, pad in self.image_spans(req):
             meta = self.spans.of_image((namespace(req), pad, start, end - start))
-            if meta is not None:
+            if meta is not None and end <= limit:
                 candidates.append(SpanRewrite(start, end, meta.ids))
         while candidates:
             record = rewrite(req, candidates)
@@ -341,7 +418,7 @@ class Controller:
                     covered.append(span)
                 removed_before += span.removed
             if covered == candidates:
-                self.records[req.rid] = record
+                self.records[req.rid] = [record]
                 req.unicache_reused = record.removed  # usage: cached tokens as the user sent them
                 self.stats.spans_reused += len(covered)
                 return
@@ -350,10 +427,13 @@ class Controller:
         match()
 
     # -- 5. undo --------------------------------------------------------------------------------
-    def on_retract(self, req) -> None:
-        record = self.records.pop(req.rid, None)
-        if record is not None:
+    def undo(self, req) -> None:
+        """Back to the ids, offsets and positions the user sent (every rewrite, newest first)."""
+        for record in reversed(self.records.pop(req.rid, [])):
             restore(req, record)
+
+    def on_retract(self, req) -> None:
+        self.undo(req)
 
     def on_release(self, req) -> None:
         self.records.pop(req.rid, None)
@@ -367,4 +447,5 @@ class Controller:
         return {**self.stats.to_dict(), **self.gauges(),
                 "available_slots": int(self.allocator.available_size()),
                 "radix_cache": type(self.tree).__name__ if self.tree is not None else None,
-                "method": self.config.method, "keep_ratio": self.config.keep_ratio}
+                "method": self.config.method, "keep_ratio": self.config.keep_ratio,
+                "recent_checks": list(self.recent_checks)}

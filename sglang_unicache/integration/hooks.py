@@ -8,6 +8,7 @@ from typing import Any
 
 from sglang_unicache.integration import capture, flags, positions, radix_cache
 from sglang_unicache.integration.controller import Controller
+from sglang_unicache.integration.integrity import check_integrity
 from sglang_unicache.integration.metrics import Metrics
 from sglang_unicache.integration.support import local_hf_config, unsupported_setup
 
@@ -189,7 +190,9 @@ def after_get_internal_state(result: Any, state_controller: Any, *args: Any, **k
     allocator = state_controller.scheduler.token_to_kv_pool_allocator
     result.internal_state["kv_available_slots"] = int(allocator.available_size())
     if _controller is not None:
-        result.internal_state["unicache"] = _controller.snapshot()
+        result.internal_state["unicache"] = {
+            **_controller.snapshot(),
+            "integrity": check_integrity(state_controller.scheduler, _controller)}
     return result
 
 

@@ -13,8 +13,10 @@ COUNTERS = {
     "images_compressed": "Image spans compressed after prefill",
     "slots_freed": "KV slots returned to the allocator by compaction",
     "spans_reused": "Compressed image spans served from the radix tree to a later request",
-    "fallbacks": "Compressions abandoned (self-check failed or error); request kept its full KV",
-    "skipped_cached": "Requests left uncompressed because their image came from the tree",
+    "fallbacks": "Requests whose self-check failed at the escalation cap; full KV kept",
+    "escalations": "Budget doublings after a failed self-check",
+    "errors": "Compressions that raised an error; full KV kept",
+    "skipped_cached": "Images left uncompressed because part of them came from the tree",
     "spans_recompressed": "Cached compressed spans shrunk under memory pressure instead of evicted",
     "recompress_slots_freed": "KV slots returned to the allocator by re-compression",
 }

@@ -123,13 +123,25 @@ class CompressedRadixCache(UnifiedRadixCache):
     def attach(self, node, meta: SpanMeta) -> None:
         node.component(FULL).metadata.setdefault(META, {})[meta.ids[0]] = meta
 
+    def reset(self) -> None:
+        super().reset()
+        if self.controller is not None:
+            self.controller.spans.clear()
+
     def _evict_device_leaf(self, node_id, tracker):
-        if self.controller is not None and self.controller.config.recompress:
-            freed = self._shrink_leaf(self.tree_core.node_by_id(node_id))
+        if self.controller is None:
+            return super()._evict_device_leaf(node_id, tracker)
+        node = self.tree_core.node_by_id(node_id)
+        if self.controller.config.recompress:
+            freed = self._shrink_leaf(node)
             if freed:
                 tracker[FULL] = tracker.get(FULL, 0) + freed
                 return None
-        return super()._evict_device_leaf(node_id, tracker)
+        spans = list(spans_of(node).values())
+        result = super()._evict_device_leaf(node_id, tracker)
+        for meta in spans:  # span metadata dies with its node
+            self.controller.spans.discard(meta)
+        return result
 
     def _shrink_leaf(self, node) -> int:
         """Re-compress the last span of an unlocked device leaf in place; slots freed (0: not
@@ -144,6 +156,16 @@ class CompressedRadixCache(UnifiedRadixCache):
                              cfg.recompress_floor, meta.protected_entries())
         if k_new >= meta.count:
             return 0
+        new_ids = self.controller.compressed_ids(meta.pad, meta.start, k_new)
+        if at == 0:
+            sibling = node.parent.children.get(
+                RadixKey(array("q", new_ids[:1]), node.key.extra_key,
+                         cache_salt=node.key.cache_salt).child_key(self.page_size))
+            if sibling is not None and sibling is not node:
+                # The same image at the smaller budget is already a sibling (another request
+                # compressed it with that K, or AirCache's K differed): drop this copy instead
+                # of re-keying it onto the sibling's key.
+                return 0
         keep = shrink_order(meta.priority, k_new)
         value = cd.value
         slots = value[at:at + meta.count]
@@ -151,7 +173,7 @@ class CompressedRadixCache(UnifiedRadixCache):
         freed = torch.cat([slots[k_new:], value[at + meta.count:]])
 
         old_first, old_count = meta.ids[0], meta.count
-        meta.shrink(keep, self.controller.compressed_ids(meta.pad, meta.start, k_new))
+        meta.shrink(keep, new_ids)
         ids = array("q", list(node.key.raw_token_ids()[:at]) + list(meta.ids))
         old_child_key = node.key.child_key(self.page_size)
         node.key = RadixKey(ids, node.key.extra_key, cache_salt=node.key.cache_salt)

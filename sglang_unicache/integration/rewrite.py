@@ -7,6 +7,9 @@ image and the same config can match the span. Everything that describes the prom
 the ids: the multimodal items' offsets (so a fully cached image is not encoded again), the
 M-RoPE positions and delta (so later tokens keep their logical positions, ``positions.py``), and
 the reported prompt length. ``restore`` undoes it exactly (retraction, failed reuse match).
+Rewrites stack: a request that reuses compressed spans (one rewrite at match time) compresses its
+own new images after prefill (a second one, in the coordinates the first left); they are undone
+newest first.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class Rewrite:
     origin_input_ids: array
     offsets: list
     mrope: MropeBackup | None
+    removed_before: int = 0  # ``req.unicache_removed`` before this rewrite (rewrites stack)
 
     @property
     def removed(self) -> int:
@@ -76,13 +80,14 @@ def rewrite(req, spans: list[SpanRewrite]) -> Rewrite:
     pieces += ids[cursor:]
     mm = req.multimodal_inputs
     record = Rewrite(spans, ids, [list(item.offsets or []) for item in mm.mm_items],
-                     shift_mrope(mm, keep, int((~keep).sum())))
+                     shift_mrope(mm, keep, int((~keep).sum())),
+                     getattr(req, "unicache_removed", 0))
     for item in mm.mm_items:
         if item.offsets:
             item.offsets = _remap_offsets(item.offsets, spans)
     req.origin_input_ids = array("q", pieces)
     req.full_untruncated_fill_ids = req.origin_input_ids + array("q", req.output_ids)
-    req.unicache_removed = record.removed  # usage reports the prompt's real length
+    req.unicache_removed = record.removed_before + record.removed  # the prompt's real length
     return record
 
 
@@ -94,4 +99,16 @@ def restore(req, record: Rewrite) -> None:
     restore_mrope(mm, record.mrope)
     req.origin_input_ids = record.origin_input_ids
     req.full_untruncated_fill_ids = req.origin_input_ids + array("q", req.output_ids)
-    req.unicache_removed = 0
+    req.unicache_removed = record.removed_before
+
+
+def original_position(position: int, records: list[Rewrite]) -> int:
+    """A position in a request's current ids (after every rewrite in ``records``, oldest first)
+    as a position in the prompt the user sent (a position past each compressed span it follows)."""
+    for record in reversed(records):
+        shift = 0
+        for span in record.spans:  # sorted by start, in the coordinates before this rewrite
+            if span.start - shift + len(span.ids) <= position:
+                shift += span.removed
+        position += shift
+    return position

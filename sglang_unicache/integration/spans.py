@@ -12,14 +12,12 @@ it from an image (for match-time rewrites).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
 Namespace = tuple[object, object]  # (extra_key, cache_salt): the tree's namespace
 ImageKey = tuple[Namespace, int, int, int]  # (namespace, image pad id, span start, span length)
-MAX_SPANS = 1 << 16  # spans remembered (oldest forgotten first)
 
 
 @dataclass
@@ -72,22 +70,25 @@ class SpanMeta:
 
 @dataclass
 class SpanIndex:
-    """Spans compressed so far, by image: what a later request rewrites its image to. (A span's
-    key stays its image when re-compression changes its ids; the tree finds spans by node.)"""
+    """The spans the radix tree holds, by image: what a later request rewrites its image to. (A
+    span's key stays its image when re-compression changes its ids; the tree finds spans by
+    node.) An entry lives exactly as long as the node that holds its span: the radix cache
+    drops it when it evicts the node or is flushed (``radix_cache.py``)."""
 
-    by_image: OrderedDict[ImageKey, SpanMeta] = field(default_factory=OrderedDict)
+    by_image: dict[ImageKey, SpanMeta] = field(default_factory=dict)
 
     def add(self, meta: SpanMeta) -> None:
-        self.by_image.pop(meta.image_key, None)
         self.by_image[meta.image_key] = meta
-        while len(self.by_image) > MAX_SPANS:
-            self.by_image.popitem(last=False)
+
+    def discard(self, meta: SpanMeta) -> None:
+        if self.by_image.get(meta.image_key) is meta:
+            del self.by_image[meta.image_key]
+
+    def clear(self) -> None:
+        self.by_image.clear()
 
     def of_image(self, key: ImageKey) -> SpanMeta | None:
-        meta = self.by_image.get(key)
-        if meta is not None:
-            self.by_image.move_to_end(key)
-        return meta
+        return self.by_image.get(key)
 
     def __len__(self) -> int:
         return len(self.by_image)

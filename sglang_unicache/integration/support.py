@@ -32,6 +32,17 @@ def unsupported_server_args(args: Any) -> str | None:
     if algorithm:
         return f"--speculative-algorithm {algorithm}: speculative decoding is not supported " \
                "with --unicache"
+    for flag, name in (("tp_size", "--tp-size"), ("pp_size", "--pp-size")):
+        size = getattr(args, flag, 1) or 1
+        if size > 1:
+            # Every rank would plan its own compaction from its own KV heads: the ranks' trees,
+            # rows and allocators would diverge while the server keeps answering. (DP attention
+            # needs --tp-size >= --dp-size >= 2, so this refuses it too.)
+            return f"{name} {size}: tensor/pipeline parallel ranks do not yet agree on one " \
+                   "compression plan; --unicache needs one rank per model (use --dp-size)"
+    if getattr(args, "enable_mixed_chunk", False):
+        return "--enable-mixed-chunk: mixed prefill/decode batches are not supported with " \
+               "--unicache (images in them would never be compressed)"
     if getattr(args, "enable_hierarchical_cache", False):
         return "--enable-hierarchical-cache: HiCache is not supported with --unicache"
     mode = getattr(args, "disaggregation_mode", "null")

@@ -108,6 +108,41 @@ def window_lse(
     return out
 
 
+def window_attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    q_pos: Tensor,
+    col_mask: Tensor | None = None,
+    chunk: int = 8192,
+) -> tuple[Tensor, Tensor]:
+    """Attention output and normaliser of each observation query over its visible keys.
+
+    q ``[W, Hq, D]``, k/v ``[T, H, D]``, col_mask ``[T]`` bool. Returns ``(out [H, G, W, D],
+    lse [H, G, W])`` fp32 (an online softmax over key chunks); rows with no visible key get a zero
+    output and ``-inf``.
+    """
+    t, h, d = k.shape
+    w, hq, _ = q.shape
+    lse = torch.full((h, hq // h, w), float("-inf"), device=q.device)
+    out = torch.zeros(h, hq // h, w, v.shape[-1], device=q.device)
+    for start in range(0, t, chunk):
+        stop = min(t, start + chunk)
+        logits = causal_logits(q, k, scale, q_pos, start, stop)
+        cm = _col(col_mask, h, start, stop)
+        if cm is not None:
+            logits = logits.masked_fill(~cm, float("-inf"))
+        part_lse = torch.logsumexp(logits, dim=-1)
+        new = torch.logaddexp(lse, part_lse)
+        safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+        p = torch.exp(logits - safe.unsqueeze(-1))  # [H, G, W, C]
+        part = torch.einsum("hgwc,chd->hgwd", p, v[start:stop].float())
+        out = out * torch.exp(lse - safe).nan_to_num(0.0).unsqueeze(-1) + part
+        lse = new
+    return out, lse
+
+
 def window_colsum(
     q: Tensor,
     k: Tensor,

@@ -138,13 +138,17 @@ def test_aborted_requests_leak_nothing(compressing):
 
 def test_self_check_failure_falls_back_to_full_kv(server_factory, stock, tmp_path_factory):
     strict = tmp_path_factory.mktemp("cfg") / "strict.json"
-    strict.write_text('{"kl_threshold": 1e-12}')
+    strict.write_text('{"selfcheck_threshold": 1e-12}')
     server = server_factory("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio",
                             "0.1", "--unicache-config", str(strict), "--enable-cache-report")
     body = image_chat(solid_png((77, 99, 11)), "what colour is it?", max_tokens=10)
     assert answer(chat(server, body)) == answer(chat(stock, body))
     stats = internal_state(server)["unicache"]
     assert stats["fallbacks"] >= 1 and stats["images_compressed"] == 0
+    # keep 0.1 -> 0.2 -> 0.4 (the escalation cap) before the full KV was kept
+    assert stats["escalations"] == 2 * stats["fallbacks"]
+    check = stats["recent_checks"][-1]
+    assert not check["passed"] and check["keep_ratio"] == 0.4 and check["escalations"] == 2
 
 
 def test_image_split_across_prefill_chunks_is_compressed(server_factory, nocheck_config):

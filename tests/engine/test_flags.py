@@ -48,6 +48,10 @@ def error_of(prepare, *argv, model=None) -> str:
     (["--enable-hierarchical-cache"], "HiCache is not supported"),
     (["--disaggregation-mode", "prefill"], "PD disaggregation is not supported"),
     (["--kv-cache-dtype", "nvfp4"], "separate scale buffers"),
+    (["--tp-size", "2"], "--tp-size 2: tensor/pipeline parallel ranks do not yet agree"),
+    (["--pp-size", "2"], "--pp-size 2: tensor/pipeline parallel ranks do not yet agree"),
+    (["--enable-dp-attention", "--dp-size", "2", "--tp-size", "2"], "--tp-size 2"),
+    (["--enable-mixed-chunk"], "--enable-mixed-chunk: mixed prefill/decode batches are not"),
 ])
 def test_bad_flag_fails_with_one_line(prepare, argv, expected):
     assert expected in error_of(prepare, "--unicache", *argv)
@@ -59,7 +63,7 @@ def test_unknown_and_bad_config_keys(prepare, tmp_path):
     assert "unknown unicache config key 'beam_width'" in error_of(
         prepare, "--unicache", "--unicache-config", str(unknown))
     bad = tmp_path / "bad.yaml"
-    bad.write_text("kl_threshold: -1\n")
+    bad.write_text("selfcheck_threshold: -1\n")
     assert "--unicache-config" in error_of(prepare, "--unicache", "--unicache-config", str(bad))
 
 

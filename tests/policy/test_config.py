@@ -17,7 +17,7 @@ def test_defaults_are_seed_8_1() -> None:
     assert (c.shallow_rate, c.deep_rate) == (0.75, 0.45)
     assert (c.visual_rate_cap, c.text_rate_cap) == (0.8, 0.4)
     assert (c.alignment_threshold, c.alignment_discount) == (0.3, 0.5)
-    assert (c.merge_threshold, c.evict_low, c.evict_high, c.kl_threshold) == (0.8, 0.5, 0.8, 0.1)
+    assert (c.merge_threshold, c.evict_low, c.evict_high) == (0.8, 0.5, 0.8)
     assert c.complexity_lambda == 2.0 and (c.dynamic_rate_min, c.dynamic_rate_max) == (0.4, 0.75)
     assert c.aircache_alpha == 0.9 and c.method == "unicache" and c.keep_ratio == 0.1
 
@@ -31,7 +31,9 @@ def test_defaults_are_seed_8_1() -> None:
         ("aircache_alpha", 2.0),
         ("redundancy_window", 0),
         ("quantization", "int3"),
-        ("kl_threshold", 0.0),
+        ("selfcheck_threshold", 0.0),
+        ("selfcheck_statistic", "entropy"),
+        ("escalate_max_keep", 0.0),
         ("min_image_tokens", 0),
         ("layer_fill", "zeros"),
         ("pool_kernel", 4),

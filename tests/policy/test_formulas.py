@@ -99,7 +99,7 @@ def test_complexity_mapping() -> None:
 
 def test_dynamic_rate_sets_keep_ratio_from_original_input() -> None:
     inp = make_inputs()
-    p = build_method(UniCacheConfig(dynamic_rate=True)).plan(inp)
+    p = build_method(UniCacheConfig(dynamic_rate=True, selfcheck=False)).plan(inp)
     assert p.complexity is not None
     expected = 1 - rate_from_complexity(p.complexity, 0.4, 0.75, 8.0, 18.0)
     assert p.keep_ratio == pytest.approx(expected)
@@ -128,7 +128,7 @@ def test_aircache_layer_budgets_follow_strength_and_skewness() -> None:
     from sglang_unicache.policies.context import PlanContext
 
     inp = make_inputs(layers=4)
-    cfg = UniCacheConfig(method="aircache", keep_ratio=0.2)
+    cfg = UniCacheConfig(method="aircache", keep_ratio=0.2, selfcheck=False)
     ctx = PlanContext(inp, cfg)
     iv = torch.stack([elite_importance(ctx, li).mean(0)[ctx.is_visual] for li in range(4)])
     factors = aircache_factors(iv.sum(1).double(), sample_skewness(iv), cfg.aircache_floor)

@@ -41,7 +41,9 @@ def test_invariants(method: str, ratio: float, dtype: torch.dtype, shape: tuple[
     assert len(rplan.spans) == len(inp.spans)
     for plan in rplan.spans:
         n = plan.span.length
-        k_req = n if method == "full" else cfg.span_budget(n)
+        # the ratio the plan settled on (a failed self-check escalates it, never lowers it)
+        assert rplan.keep_ratio >= ratio
+        k_req = n if method == "full" else cfg.replace(keep_ratio=rplan.keep_ratio).span_budget(n)
         budgets = [lp.budget for lp in plan.layers]
         # budget honoured exactly: per-layer counts are the budgets and average to K
         assert sum(budgets) == k_req * inp.num_layers

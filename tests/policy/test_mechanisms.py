@@ -114,11 +114,13 @@ def test_selfcheck_trips_on_bad_plan() -> None:
     inp = make_inputs(group=1)
     q = torch.stack([inp.keys[li][[7, 7, 7, 63, 63, 63]] * 6.0 for li in range(3)])
     inp = ScoreInputs(inp.keys, inp.values, inp.spans, obs_queries=q)  # queries -> tokens 7, 63
-    cfg = UniCacheConfig(keep_ratio=0.1, method="snapkv")
+    cfg = UniCacheConfig(keep_ratio=0.1, method="snapkv", selfcheck_statistic="kl",
+                         selfcheck_threshold=0.1, escalate_max_keep=0.1)
     good = build_method(cfg).plan(inp)
     bad = _bad_scorer_method(cfg).plan(inp)
     assert bad.selfcheck.checked and not bad.selfcheck.passed and bad.fallback
-    assert bad.selfcheck.kl > cfg.kl_threshold > good.selfcheck.kl
+    assert bad.selfcheck.kl > cfg.selfcheck_threshold > good.selfcheck.kl
+    assert bad.escalations == 0 and bad.keep_ratio == 0.1
     full = build_method(cfg.replace(method="full")).plan(inp)
     assert full.selfcheck.passed and not full.fallback
 
@@ -134,6 +136,60 @@ def test_selfcheck_kl_is_minus_log_kept_mass_for_eviction() -> None:
         kept = plan.spans[0].layers[0].kept[h]
         kl -= math.log(float(p[kept].sum() + p[100:].sum()))
     assert plan.selfcheck.kl == pytest.approx(kl / k.shape[1], rel=1e-4)
+
+
+def test_failed_selfcheck_escalates_the_budget_before_falling_back() -> None:
+    inp = make_inputs(group=1)
+    q = torch.stack([inp.keys[li][[7, 7, 7, 63, 63, 63]] * 6.0 for li in range(3)])
+    inp = ScoreInputs(inp.keys, inp.values, inp.spans, obs_queries=q)
+    cfg = UniCacheConfig(keep_ratio=0.05, selfcheck_statistic="kl", escalate_max_keep=0.4)
+    # the worst method keeps the least-attended tokens: the KL falls as the budget grows
+    kl = {keep: _bad_scorer_method(cfg.replace(keep_ratio=keep, escalate_max_keep=keep))
+          .plan(inp).selfcheck.kl for keep in (0.05, 0.1, 0.2, 0.4)}
+    assert kl[0.05] > kl[0.1] > kl[0.2] > kl[0.4] > 0.1
+    capped = _bad_scorer_method(cfg).plan(inp)
+    assert capped.fallback and capped.escalations == 3 and capped.keep_ratio == 0.4
+    assert capped.spans[0].physical_slots == round(0.4 * 50)
+    assert capped.selfcheck.value == pytest.approx(kl[0.4])
+    # a threshold between the KL at 0.1 and at 0.05: one doubling, then compressed at 0.1
+    threshold = 0.5 * (kl[0.05] + kl[0.1])
+    once = _bad_scorer_method(cfg.replace(selfcheck_threshold=threshold)).plan(inp)
+    assert once.escalations == 1 and once.keep_ratio == pytest.approx(0.1)
+    assert not once.fallback and once.spans[0].physical_slots == 5
+
+
+def test_selfcheck_statistics_are_zero_when_nothing_is_lost() -> None:
+    inp = make_inputs()
+    kept_all = build_method(UniCacheConfig(method="knorm", keep_ratio=1.0)).plan(inp)
+    assert kept_all.selfcheck.checked and kept_all.selfcheck.passed
+    assert max(abs(v) for v in kept_all.selfcheck.stats.values()) < 1e-5
+    lossy = build_method(UniCacheConfig(method="knorm", keep_ratio=0.2,
+                                        escalate_max_keep=0.2)).plan(inp).selfcheck
+    assert set(lossy.stats) == {"kl", "kl_head", "image_mass_lost", "output_error",
+                                "key_coverage"}
+    assert all(lossy.stats[name] > 1e-3 for name in lossy.stats)
+    assert lossy.stats["kl_head"] >= lossy.stats["kl"]
+
+
+def test_output_error_matches_a_direct_computation() -> None:
+    inp = make_inputs(layers=1, group=1, window=1, spans=((0, 100),))
+    cfg = UniCacheConfig(method="knorm", keep_ratio=0.3, selfcheck_layers=1)
+    plan = build_method(cfg).plan(inp)
+    q, k, v = inp.obs_queries[0][0], inp.keys[0], inp.values[0]
+    errors, lost = [], []
+    for h in range(k.shape[1]):
+        p = torch.softmax((k[:, h] @ q[h]) * inp.scale, dim=0)
+        keep = torch.zeros(k.shape[0], dtype=torch.bool)
+        keep[plan.spans[0].layers[0].kept[h]] = True
+        keep[100:] = True
+        pq = torch.where(keep, p, torch.zeros_like(p))
+        pq = pq / pq.sum()
+        o_p, o_q = p @ v[:, h], pq @ v[:, h]
+        errors.append(float((o_q - o_p).norm() / o_p.norm()))
+        lost.append(float(1 - p[:100][keep[:100]].sum() / p[:100].sum()))
+    stats = plan.selfcheck.stats
+    assert stats["output_error"] == pytest.approx(sum(errors) / len(errors), rel=1e-4)
+    assert stats["image_mass_lost"] == pytest.approx(sum(lost) / len(lost), rel=1e-4)
 
 
 def test_head_merging() -> None:
@@ -177,7 +233,7 @@ def test_redundancy_window() -> None:
 
 
 def _kept(method: str, inp: ScoreInputs, **kw) -> list[set[int]]:
-    plan = build_method(UniCacheConfig(method=method, **kw)).plan(inp)
+    plan = build_method(UniCacheConfig(method=method, selfcheck=False, **kw)).plan(inp)
     return [set(p.layers[-1].kept[0].tolist()) for p in plan.spans]
 
 

@@ -144,6 +144,38 @@ def test_pressure_recompresses_a_cached_span_before_evicting_it(cache):
     cache.evict(EvictParams(num_tokens=1))  # a span at its floor is evicted whole
     assert matched(cache, meta.ids) == len(PREFIX)  # (matching split the prefix off earlier)
     assert cache.compressed_slots_held() == 0
+    assert cache.controller.spans.of_image(meta.image_key) is None  # metadata died with it
     cache.evict(EvictParams(num_tokens=POOL))
     assert allocator.available_size() == baseline  # nothing leaked
     cache.sanity_check()
+
+
+def test_recompression_onto_a_sibling_with_the_same_key_evicts_instead(cache):
+    """Issue 14 defect 2: shrinking a span to the K of a same-image sibling re-keyed the node
+    over the sibling, and the next eviction raised KeyError (the scheduler died)."""
+    allocator = cache.token_to_kv_pool_allocator
+    baseline = allocator.available_size()
+    meta, _ = make_span(cache)  # K = 8 under PREFIX, the least recently used leaf
+    small_ids = cache.controller.compressed_ids(PAD, START, K // 2)
+    key = RadixKey(array("q", PREFIX + list(small_ids) + TAIL))
+    slots = allocator.alloc(len(key))
+    cache.insert(InsertParams(key=key, value=slots.to(torch.int64)))
+    sibling = cache.match_prefix(MatchPrefixParams(key=key)).last_device_node
+    prefix_node = cache.node_holding(sibling, small_ids[0]).parent
+    assert len(prefix_node.children) == 2
+
+    cache.evict(EvictParams(num_tokens=1))  # shrinking 8 -> 4 would land on the sibling's key
+    assert meta.count == K and meta.recompressions == 0
+    assert matched(cache, meta.ids) == len(PREFIX)  # the K = 8 copy was evicted whole
+    assert matched(cache, small_ids) == len(PREFIX) + K // 2  # the sibling is untouched
+    cache.sanity_check()
+    cache.evict(EvictParams(num_tokens=POOL))
+    assert allocator.available_size() == baseline
+    cache.sanity_check()
+
+
+def test_a_flush_forgets_every_span(cache):
+    meta, _ = make_span(cache)
+    assert cache.controller.spans.of_image(meta.image_key) is meta
+    cache.reset()
+    assert len(cache.controller.spans) == 0 and cache.compressed_slots_held() == 0

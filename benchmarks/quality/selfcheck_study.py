@@ -1,0 +1,113 @@
+"""What the self-check predicts (issue 13): every statistic against harm to later answers.
+
+Input: an ``eval_serving.py --selfcheck record --settings reuse`` result that holds method
+``full`` and compressing methods. For each compressed image (one warming question, then 4 later
+questions that reuse its compressed span) the warming request's self-check statistics are joined
+with the later answers; an image is *harmed* when a later question that the full cache answered
+right is answered wrong. For each statistic this prints the ROC AUC of predicting harm (0.5 is
+chance), and for a grid of thresholds the share of images that pass and the accuracy of the later
+answers of the images above and below it.
+
+    python benchmarks/quality/selfcheck_study.py runs/selfcheck-study.json --markdown out.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from sglang_unicache.config import SELFCHECK_STATISTICS
+
+
+def auc(scores: list[float], labels: list[bool]) -> float:
+    """P(score of a harmed image > score of an unharmed one), ties count half."""
+    pos = [s for s, y in zip(scores, labels, strict=True) if y]
+    neg = [s for s, y in zip(scores, labels, strict=True) if not y]
+    if not pos or not neg:
+        return float("nan")
+    wins = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg)
+    return wins / (len(pos) * len(neg))
+
+
+def records(results: list[dict], ratios: set[float] | None) -> list[dict]:
+    full = next(e for e in results if e["method"] == "full")
+    full_correct = [im["correct"] for im in full["images"]]
+    rows = []
+    for entry in results:
+        if entry["method"] in ("full", "transformers") or "images" not in entry:
+            continue
+        if ratios and entry["keep_ratio"] not in ratios:
+            continue
+        for im, ref in zip(entry["images"], full_correct, strict=True):
+            if not im["check"]:
+                continue
+            lost = sum(r and not c for r, c in zip(ref, im["correct"], strict=True))
+            rows.append({"method": entry["method"], "keep_ratio": entry["keep_ratio"],
+                         "stats": im["check"]["stats"], "correct": sum(im["correct"]),
+                         "asked": len(im["correct"]), "lost": lost, "harmed": lost > 0})
+    return rows
+
+
+def threshold_table(rows: list[dict], stat: str, thresholds: list[float]) -> list[dict]:
+    out = []
+    for t in thresholds:
+        passing = [r for r in rows if r["stats"][stat] <= t]
+        failing = [r for r in rows if r["stats"][stat] > t]
+
+        def acc(group: list[dict]) -> float:
+            asked = sum(r["asked"] for r in group)
+            return sum(r["correct"] for r in group) / asked if asked else float("nan")
+
+        out.append({"threshold": t, "pass_share": len(passing) / len(rows),
+                    "acc_pass": acc(passing), "acc_fail": acc(failing),
+                    "harmed_pass": sum(r["harmed"] for r in passing),
+                    "harmed_fail": sum(r["harmed"] for r in failing)})
+    return out
+
+
+def quantiles(values: list[float], qs: list[float]) -> list[float]:
+    s = sorted(values)
+    return [s[min(len(s) - 1, int(q * len(s)))] for q in qs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results")
+    parser.add_argument("--ratios", default="", help="only these keep ratios (comma list)")
+    parser.add_argument("--markdown", default=None)
+    args = parser.parse_args()
+    results = json.load(open(args.results))
+    ratios = {float(r) for r in args.ratios.split(",")} if args.ratios else None
+    rows = records(results, ratios)
+    harmed = [r["harmed"] for r in rows]
+    lines = [f"{len(rows)} compressed images, {sum(harmed)} harmed "
+             f"(a later answer the full cache got right went wrong)", "",
+             "| statistic | AUC (all) | " + " | ".join(
+                 f"AUC {m}" for m in sorted({r['method'] for r in rows})) + " |",
+             "|---|---|" + "---|" * len({r["method"] for r in rows})]
+    for stat in SELFCHECK_STATISTICS:
+        per = []
+        for m in sorted({r["method"] for r in rows}):
+            sub = [r for r in rows if r["method"] == m]
+            per.append(auc([r["stats"][stat] for r in sub], [r["harmed"] for r in sub]))
+        lines.append(f"| {stat} | {auc([r['stats'][stat] for r in rows], harmed):.3f} | "
+                     + " | ".join(f"{a:.3f}" for a in per) + " |")
+    for stat in SELFCHECK_STATISTICS:
+        values = [r["stats"][stat] for r in rows]
+        grid = quantiles(values, [0.5, 0.75, 0.9, 0.95, 0.99])
+        lines += ["", f"**{stat}** (thresholds at its 50/75/90/95/99th percentile)", "",
+                  "| threshold | images passing | later-answer accuracy, passing | failing | "
+                  "harmed passing | harmed failing |", "|---|---|---|---|---|---|"]
+        for row in threshold_table(rows, stat, grid):
+            lines.append(f"| {row['threshold']:.3f} | {row['pass_share']:.1%} | "
+                         f"{row['acc_pass']:.1%} | {row['acc_fail']:.1%} | "
+                         f"{row['harmed_pass']} | {row['harmed_fail']} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
