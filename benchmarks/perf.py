@@ -54,6 +54,10 @@ def slot_bytes(model: Path) -> int:
     return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2  # bf16 K+V
 
 
+# The README's plain launch: the defaults as a user gets them (self-check and escalation on).
+SHIPPED = ["--unicache", "--enable-cache-report"]
+
+
 def flags_for(method: str | None, ratio: float, config: Path) -> list[str]:
     if method is None:
         return ["--enable-cache-report"]
@@ -63,8 +67,11 @@ def flags_for(method: str | None, ratio: float, config: Path) -> list[str]:
 
 def memory_per_image(model: Path, config: Path, ratios: list[float], log_dir: Path) -> list[dict]:
     rows = []
-    for method, ratio in [(None, 1.0)] + [("knorm", r) for r in ratios]:
-        server = start_server(model, flags_for(method, ratio, config), log_dir / "mem.log")
+    servers = [("stock", flags_for(None, 1.0, config))]
+    servers += [(f"unicache knorm keep {r}", flags_for("knorm", r, config)) for r in ratios]
+    servers.append(("--unicache, defaults as shipped", SHIPPED))
+    for name, flags in servers:
+        server = start_server(model, flags, log_dir / "mem.log")
         try:
             held = []
             for i in range(3):
@@ -74,10 +81,13 @@ def memory_per_image(model: Path, config: Path, ratios: list[float], log_dir: Pa
                 # The tree keeps the prompt; with max_tokens=1 no output token has KV.
                 text = out["usage"]["prompt_tokens"] - 256
                 held.append(before - available_slots(server) - text)
+            stats = internal_state(server).get("unicache") or {}
         finally:
             server.stop()
-        rows.append({"server": "stock" if method is None else f"unicache keep {ratio}",
-                     "image_slots": max(held)})
+        rows.append({"server": name, "image_slots": max(held),
+                     "images_compressed": stats.get("images_compressed", 0),
+                     "escalations": stats.get("escalations", 0),
+                     "fallbacks": stats.get("fallbacks", 0)})
     stock = rows[0]["image_slots"]
     for row in rows:
         row["bytes"] = row["image_slots"] * slot_bytes(model)
@@ -123,8 +133,10 @@ def capacity(model: Path, config: Path, ratio: float, stream: int, log_dir: Path
 def overhead(model: Path, config: Path, methods: list[str], ratio: float, log_dir: Path,
              requests: int = 6) -> list[dict]:
     rows = []
-    for method in methods:
-        server = start_server(model, flags_for(method, ratio, config), log_dir / "overhead.log")
+    runs = [(method, flags_for(method, ratio, config)) for method in methods]
+    runs.append(("unicache, defaults as shipped", SHIPPED))
+    for method, flags in runs:
+        server = start_server(model, flags, log_dir / "overhead.log")
         try:
             for i in range(requests):
                 chat(server, image_chat(image(200 + i), "what colour is it?", max_tokens=2))

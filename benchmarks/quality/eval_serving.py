@@ -109,8 +109,18 @@ def run_reuse(server, images: int, questions: int, seed: int,
             correct.append(int(got == item.answer))
             rows.append({"qtype": item.qtype, "correct": got == item.answer})
         reused += internal_state(server).get("unicache", {}).get("spans_reused", 0) - before
-        per_image.append({"image": group[0].image_id, "check": check, "correct": correct})
+        per_image.append({"image": group[0].image_id, "check": check, "correct": correct,
+                          "slots": state.get("compressed_slots_held", 0)})
     return score(rows), reused, per_image
+
+
+def held_summary(per_image: list[dict], image_tokens: int) -> dict:
+    """Share of images compressed and mean KV slots each holds in the tree (an image kept at
+    full KV holds all its tokens; escalated ones hold their larger K)."""
+    slots = [im["slots"] or image_tokens for im in per_image]
+    return {"compressed_share": sum(bool(im["slots"]) for im in per_image) / len(per_image),
+            "mean_slots": sum(slots) / len(slots),
+            "mean_slots_ratio": sum(slots) / len(slots) / image_tokens}
 
 
 def run_long(server, images: int, seed: int, grid: int) -> dict:
@@ -211,6 +221,7 @@ def main() -> None:
                 if "reuse" in settings:
                     entry["reuse"], entry["spans_reused"], entry["images"] = run_reuse(
                         server, args.images, args.questions, args.seed, args.grid)
+                    entry["held"] = held_summary(entry["images"], args.grid ** 2)
                 if "long" in settings:
                     entry["long"] = run_long(server, args.images, args.seed, args.grid)
                 entry["stats"] = internal_state(server).get("unicache", {})

@@ -55,11 +55,26 @@ def gather_prompt_kv(k_buffers, v_buffers, row: torch.Tensor):
             [v.index_select(0, index) for v in v_buffers])
 
 
-def compact_row(row: torch.Tensor, spans: list[SpanResult], k_buffers, v_buffers) -> Compaction:
-    """Write every span's compressed K/V into its first K slots; drop the rest from the row."""
+def plan_compaction(row: torch.Tensor, spans: list[SpanResult]) -> Compaction:
+    """The row after compaction and the slots it gives back (reads nothing, writes nothing)."""
     keep = torch.ones(row.shape[0], dtype=torch.bool, device=row.device)
+    for span in spans:
+        keep[span.start + span.kept:span.end] = False
+    return Compaction(row=row[keep], freed=row[~keep].to(torch.int64))
+
+
+def write_spans(row: torch.Tensor, spans: list[SpanResult], k_buffers, v_buffers) -> None:
+    """Write every span's compressed K/V into its first K slots of ``row`` (the row before
+    compaction)."""
     for span in spans:
         slots = row[span.start:span.start + span.kept].to(torch.int64)
         write_compressed(k_buffers, v_buffers, slots, span.keys, span.values)
-        keep[span.start + span.kept:span.end] = False
-    return Compaction(row=row[keep], freed=row[~keep].to(torch.int64))
+
+
+def restore_spans(row: torch.Tensor, spans: list[SpanResult], keys, values, k_buffers,
+                  v_buffers) -> None:
+    """Undo ``write_spans`` from the prompt's K/V gathered before it (``gather_prompt_kv``)."""
+    for span in spans:
+        sl = slice(span.start, span.start + span.kept)
+        write_compressed(k_buffers, v_buffers, row[sl].to(torch.int64),
+                         [k[sl] for k in keys], [v[sl] for v in values])

@@ -32,7 +32,13 @@ import torch
 
 from sglang_unicache.config import UniCacheConfig
 from sglang_unicache.integration.capture import CaptureTarget, QueryCapture
-from sglang_unicache.integration.compaction import SpanResult, compact_row, gather_prompt_kv
+from sglang_unicache.integration.compaction import (
+    SpanResult,
+    gather_prompt_kv,
+    plan_compaction,
+    restore_spans,
+    write_spans,
+)
 from sglang_unicache.integration.rewrite import (
     Rewrite,
     SpanRewrite,
@@ -60,11 +66,21 @@ def merge_runs(offsets) -> list[tuple[int, int]]:
     return [(start, end) for start, end in spans]
 
 
+def rewrites_of(req) -> list[Rewrite]:
+    return getattr(req, "unicache_rewrites", None) or []
+
+
 def full_kv_only(req) -> bool:
-    """Requests served on their full KV, like stock SGLang: those that return logprobs. SGLang
-    computes their prompt logprobs over the prompt as sent, after the point where compaction
-    shortens it, and counts them against its length (issue 14, defect 3b)."""
-    return bool(req.return_logprob)
+    """Requests served on their full KV, like stock SGLang (neither compressed nor rewritten to
+    reuse compressed spans):
+
+    - those that return logprobs: SGLang computes their prompt logprobs over the prompt as
+      sent, after the point where compaction shortens it, and counts them against its length
+      (issue 14, defect 3b);
+    - turns of an SGLang session (``open_session`` / ``session_params``): the session builds the
+      next turn from this one's ids and multimodal inputs, which must stay the ones sent.
+    """
+    return bool(req.return_logprob) or getattr(req, "session", None) is not None
 
 
 def namespace(req) -> tuple[object, object]:
@@ -119,17 +135,17 @@ class Controller:
     allocator: object
     stats: Stats = field(default_factory=Stats)
     pending: dict[str, Pending] = field(default_factory=dict)
-    # Requests whose ids carry compressed spans, with every rewrite (the reuse rewrite at match
-    # time, then the compression of its own new images), oldest first, to undo newest first.
-    records: dict[str, list[Rewrite]] = field(default_factory=dict)
     capture: QueryCapture | None = None
     metrics: object | None = None  # metrics.Metrics with --enable-metrics
     tree: object | None = None  # radix_cache.CompressedRadixCache, unless the radix cache is off
     mrope: bool = True  # positions through M-RoPE data (Qwen2-VL); else a 1-D offset per request
-    # Spans compressed so far (what a later request needs to build the ids it looks up in the
-    # tree) and the ones a request compressed, until its KV is in the tree.
+    # The spans the tree holds, by image (what a later request's ids are rewritten to).
+    # Per request state lives on the request itself, so it dies with it (an aborted request
+    # leaves nothing behind): ``req.unicache_rewrites``, every rewrite of its ids (the reuse
+    # rewrite at match time, then the compression of its own images), oldest first; and
+    # ``req.unicache_fresh``, the (row position, metadata) of the spans it compressed, until its
+    # KV is in the tree.
     spans: SpanIndex = field(default_factory=SpanIndex)
-    fresh: dict[str, list[tuple[int, SpanMeta]]] = field(default_factory=dict)  # (row pos, meta)
 
     def __post_init__(self) -> None:
         # A slot spans every layer, so every layer keeps the same number of entries: layers whose
@@ -257,12 +273,23 @@ class Controller:
             plans.append(span_plan)
         if not results:
             return
-        compaction = compact_row(row, results, k_buffers, v_buffers)
+        # All or nothing: everything above only read. The ids are rewritten first (atomic, and
+        # undone below on failure); then the pool, the row and the lengths change, rolled back
+        # from the copies taken above if anything raises; the slots are freed last.
+        compaction = plan_compaction(row, results)
         removed = compaction.removed
-        self.req_to_token[row_index, :length - removed] = compaction.row
+        self._rewrite_ids(req, pending, results)
+        try:
+            write_spans(row, results, k_buffers, v_buffers)
+            self.req_to_token[row_index, :length - removed] = compaction.row
+            self._shorten(req, pending, removed)
+        except BaseException:
+            restore_spans(row, results, keys, values, k_buffers, v_buffers)
+            self.req_to_token[row_index, :length] = row
+            restore(req, req.unicache_rewrites.pop())
+            raise
         self.allocator.free(compaction.freed)
-        self._rewrite_request(req, pending, results, removed)
-        self.fresh[req.rid] = self._span_metas(req, pending, results, plans, plan.selfcheck,
+        req.unicache_fresh = self._span_metas(req, pending, results, plans, plan.selfcheck,
                                               plan.keep_ratio)
         self.stats.images_compressed += len(results)
         self.stats.requests_compressed += 1
@@ -306,32 +333,37 @@ class Controller:
         base = COMPRESSED_ID_BASE + (digest & COMPRESSED_ID_MASK)
         return tuple(range(base, base + count))
 
-    def _rewrite_request(self, req, pending: Pending, results: list[SpanResult],
-                         removed: int) -> None:
+    def _rewrite_ids(self, req, pending: Pending, results: list[SpanResult]) -> None:
         pads = {start: pad for start, _, pad in pending.spans}
-        earlier = self.records.get(req.rid, [])
+        earlier = rewrites_of(req)
         spans = [SpanRewrite(r.start, r.end, self.compressed_ids(
                     pads[r.start], original_position(r.start, earlier), r.kept))
                  for r in results]
-        self.records[req.rid] = [*earlier, rewrite(req, spans)]
-        req.extend_end -= removed
-        req.kv.kv_committed_len -= removed
-        req.kv.kv_allocated_len -= removed
+        req.unicache_rewrites = [*earlier, rewrite(req, spans)]
+
+    def _shorten(self, req, pending: Pending, removed: int) -> None:
+        """Every length of the request and of its batch, ``removed`` entries shorter (the new
+        batch tensors are built first, so nothing is assigned unless all of them could be)."""
         batch, i = pending.batch, pending.target.batch_index
+        shorter = {}
         for name in ("seq_lens", "seq_lens_cpu", "orig_seq_lens"):
             lens = getattr(batch, name, None)
             if lens is not None:
-                lens = lens.clone()
-                lens[i] -= removed
-                setattr(batch, name, lens)
+                shorter[name] = lens.clone()
+                shorter[name][i] -= removed
+        for name, lens in shorter.items():
+            setattr(batch, name, lens)
         if getattr(batch, "seq_lens_sum", None) is not None:
             batch.seq_lens_sum -= removed
+        req.extend_end -= removed
+        req.kv.kv_committed_len -= removed
+        req.kv.kv_allocated_len -= removed
 
     def _span_metas(self, req, pending: Pending, results: list[SpanResult], plans,
                     selfcheck, keep_ratio: float) -> list[SpanMeta]:
         pads = {start: pad for start, _, pad in pending.spans}
         row = self.req_to_token[req.kv.req_pool_idx]
-        earlier = self.records[req.rid][:-1]  # the rewrites before this compression's own
+        earlier = rewrites_of(req)[:-1]  # the rewrites before this compression's own
         metas, removed_before = [], 0
         for result, span_plan in zip(results, plans, strict=True):
             layers = span_plan.layers
@@ -358,7 +390,7 @@ class Controller:
         """The request's KV is in the tree: index the spans it compressed itself and attach their
         metadata to the node holding each (unless the tree already held the same span, from a
         request that compressed the same image first: that one's metadata stays)."""
-        metas = self.fresh.pop(req.rid, None)
+        metas, req.unicache_fresh = getattr(req, "unicache_fresh", None), None
         if not metas:
             return
         row = self.req_to_token[req.kv.req_pool_idx]
@@ -418,7 +450,7 @@ class Controller:
                     covered.append(span)
                 removed_before += span.removed
             if covered == candidates:
-                self.records[req.rid] = [record]
+                req.unicache_rewrites = [record]
                 req.unicache_reused = record.removed  # usage: cached tokens as the user sent them
                 self.stats.spans_reused += len(covered)
                 return
@@ -429,15 +461,13 @@ class Controller:
     # -- 5. undo --------------------------------------------------------------------------------
     def undo(self, req) -> None:
         """Back to the ids, offsets and positions the user sent (every rewrite, newest first)."""
-        for record in reversed(self.records.pop(req.rid, [])):
+        for record in reversed(rewrites_of(req)):
             restore(req, record)
+        req.unicache_rewrites = []
 
     def on_retract(self, req) -> None:
         self.undo(req)
-
-    def on_release(self, req) -> None:
-        self.records.pop(req.rid, None)
-        self.fresh.pop(req.rid, None)
+        req.unicache_fresh = None
 
     def gauges(self) -> dict[str, float]:
         held = self.tree.compressed_slots_held() if self.tree is not None else 0

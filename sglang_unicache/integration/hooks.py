@@ -161,10 +161,7 @@ def around_release_kv_cache(original: Any, req: Any, *args: Any, **kwargs: Any) 
     if _controller is None:
         return original(req, *args, **kwargs)
     _compress(req)
-    result = original(req, *args, **kwargs)
-    if req.finished():
-        _controller.on_release(req)
-    return result
+    return original(req, *args, **kwargs)
 
 
 def after_reset_for_retract(result: Any, req: Any, *args: Any, **kwargs: Any) -> Any:

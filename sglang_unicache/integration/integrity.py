@@ -39,7 +39,8 @@ def check_integrity(scheduler, controller) -> list[str]:
     tree = scheduler.tree_cache
     errors = []
     free = torch.cat([allocator.free_pages, allocator.release_pages]).to(torch.int64).cpu()
-    held = tree.all_values_flatten().to(torch.int64).cpu()
+    held = (tree.all_values_flatten().to(torch.int64).cpu() if hasattr(tree, "all_values_flatten")
+            else torch.empty(0, dtype=torch.int64))
     if _duplicates(free):
         errors.append(f"{_duplicates(free)} slot(s) twice in the free list")
     if _duplicates(held):
@@ -69,7 +70,7 @@ def check_integrity(scheduler, controller) -> list[str]:
 
 
 def _check_spans(tree, controller) -> list[str]:
-    if not hasattr(tree, "tree_core"):
+    if not hasattr(tree, "count_held"):  # not the plugin's radix cache (e.g. radix cache off)
         return []
     errors, attached = [], set()
     for node in tree.tree_core._node_arena.values():
@@ -84,6 +85,9 @@ def _check_spans(tree, controller) -> list[str]:
             if at < 0 or ids[at:at + meta.count] != list(meta.ids):
                 errors.append(f"span {first}: the node's key does not hold its {meta.count} ids")
             attached.add(id(meta))
+    if tree.compressed_slots_held() != tree.count_held():
+        errors.append(f"compressed_slots_held {tree.compressed_slots_held()} != the "
+                      f"{tree.count_held()} the nodes' spans hold")
     stale = [m for m in controller.spans.by_image.values() if id(m) not in attached]
     if stale:
         errors.append(f"{len(stale)} indexed span(s) belong to no tree node")

@@ -94,6 +94,7 @@ def _tree_core_factory(params, components):
 
 class CompressedRadixCache(UnifiedRadixCache):
     controller = None  # set by the scheduler hook once the controller exists
+    held = 0  # slots the attached compressed spans hold (kept as they change: read per round)
 
     def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:
         super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
@@ -115,16 +116,24 @@ class CompressedRadixCache(UnifiedRadixCache):
         return dict(spans_of(self.tree_core.node_by_id(node_id)))
 
     def compressed_slots_held(self) -> int:
-        """Slots the tree's compressed spans hold on the device now."""
+        """Slots the tree's compressed spans hold on the device now (O(1), see ``held``)."""
+        return self.held
+
+    def count_held(self) -> int:
+        """``held`` recounted from every node (what ``check_integrity`` compares it with)."""
         return sum(meta.count for node in self.tree_core._node_arena.values()
                    if node.component(FULL).value is not None
                    for meta in spans_of(node).values())
 
     def attach(self, node, meta: SpanMeta) -> None:
-        node.component(FULL).metadata.setdefault(META, {})[meta.ids[0]] = meta
+        spans = node.component(FULL).metadata.setdefault(META, {})
+        old = spans.get(meta.ids[0])
+        self.held += meta.count - (old.count if old is not None else 0)
+        spans[meta.ids[0]] = meta
 
     def reset(self) -> None:
         super().reset()
+        self.held = 0
         if self.controller is not None:
             self.controller.spans.clear()
 
@@ -140,6 +149,7 @@ class CompressedRadixCache(UnifiedRadixCache):
         spans = list(spans_of(node).values())
         result = super()._evict_device_leaf(node_id, tracker)
         for meta in spans:  # span metadata dies with its node
+            self.held -= meta.count
             self.controller.spans.discard(meta)
         return result
 
@@ -186,6 +196,7 @@ class CompressedRadixCache(UnifiedRadixCache):
         spans[meta.ids[0]] = meta
         node.hash_value = None
         self.tree_core.component_evictable_size_[FULL] -= freed.numel()
+        self.held -= old_count - k_new
         self.token_to_kv_pool_allocator.free(freed)
         self.controller.on_recompressed(freed.numel())
         logger.debug("sglang-unicache: re-compressed span %d -> %d entries under pressure",

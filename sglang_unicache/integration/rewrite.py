@@ -79,12 +79,13 @@ def rewrite(req, spans: list[SpanRewrite]) -> Rewrite:
         cursor = span.end
     pieces += ids[cursor:]
     mm = req.multimodal_inputs
-    record = Rewrite(spans, ids, [list(item.offsets or []) for item in mm.mm_items],
-                     shift_mrope(mm, keep, int((~keep).sum())),
+    offsets = [list(item.offsets or []) for item in mm.mm_items]
+    new_offsets = [_remap_offsets(o, spans) if o else o for o in offsets]  # before any change
+    record = Rewrite(spans, ids, offsets, shift_mrope(mm, keep, int((~keep).sum())),
                      getattr(req, "unicache_removed", 0))
-    for item in mm.mm_items:
+    for item, remapped in zip(mm.mm_items, new_offsets, strict=True):
         if item.offsets:
-            item.offsets = _remap_offsets(item.offsets, spans)
+            item.offsets = remapped
     req.origin_input_ids = array("q", pieces)
     req.full_untruncated_fill_ids = req.origin_input_ids + array("q", req.output_ids)
     req.unicache_removed = record.removed_before + record.removed  # the prompt's real length

@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent("""
     import torch
     from sglang.kernels.ops.attention.kv_indices import create_flashinfer_kv_indices_triton
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-    from sglang_unicache.integration.compaction import SpanResult, compact_row
+    from sglang_unicache.integration.compaction import SpanResult, plan_compaction, write_spans
 
     g = torch.Generator().manual_seed(0)
     slots, kv_heads, q_heads, dim = 400, 2, 4, 16
@@ -33,7 +33,9 @@ SCRIPT = textwrap.dedent("""
     # Request A: 4 text + 64 image + 13 text tokens, compressed after prefill to 16 entries.
     row_a = free[:81].to(torch.int32)
     keys, values = span_kv(16)
-    a = compact_row(row_a, [SpanResult(4, 68, keys, values)], k_buf, v_buf)
+    spans = [SpanResult(4, 68, keys, values)]
+    write_spans(row_a, spans, k_buf, v_buf)
+    a = plan_compaction(row_a, spans)
     assert a.row.shape[0] == 81 - 48 and a.freed.numel() == 48
     # Request B reuses A's prefix through the tree (text + the 16 compressed entries + 1 token)
     # and adds its own 9 tokens; request C is text only.

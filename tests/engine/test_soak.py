@@ -1,0 +1,118 @@
+"""A seeded, bounded soak of the real engine with a mixed workload (issue 14).
+
+Concurrent clients send single- and multi-image prompts, multi-turn chats and agent loops that add
+a new image each turn, prompt logprobs from inside and outside image spans, streams cut short
+(aborts of running and waiting requests), ``n > 1`` sampling and ``cache_salt`` tenants, while
+``/flush_cache`` runs under load. The server runs AirCache (its K varies per image) in a pool
+small enough that requests are retracted and cached spans re-compressed. At the end: no crash,
+every request answered, ``check_integrity()`` clean, and the allocator back at its baseline after
+a flush.
+
+``UNICACHE_SOAK_REQUESTS`` (default 120) sets the length; ``UNICACHE_SOAK_SEED`` the seed. A
+longer manual run: ``UNICACHE_SOAK_REQUESTS=2000 pytest tests/engine/test_soak.py``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import os
+import random
+
+import requests
+
+from sglang_unicache.testing.client import available_slots, flush_cache, internal_state
+from sglang_unicache.testing.images import data_url, solid_png
+
+REQUESTS = int(os.environ.get("UNICACHE_SOAK_REQUESTS", "120"))
+SEED = int(os.environ.get("UNICACHE_SOAK_SEED", "0"))
+IMAGES = [solid_png(((53 * i) % 256, (101 * i + 40) % 256, (17 * i + 200) % 256))
+          for i in range(10)]
+
+
+def image(i: int) -> dict:
+    return {"type": "image_url", "image_url": {"url": data_url(IMAGES[i])}}
+
+
+def post(server, path: str, body: dict, timeout: float = 180) -> dict:
+    response = requests.post(f"{server.url}{path}", json=body, timeout=timeout)
+    assert response.status_code == 200, f"{path}: {response.status_code} {response.text[:300]}"
+    return response.json()
+
+
+def chat(server, messages: list, **params) -> str:
+    out = post(server, "/v1/chat/completions", {"model": "default", "messages": messages,
+                                                 "temperature": 0, "max_tokens": 4, **params})
+    return out["choices"][0]["message"]["content"]
+
+
+def one_job(server, rng: random.Random, kind: str) -> str:
+    pick = lambda: rng.randrange(len(IMAGES))  # noqa: E731
+    if kind == "single":
+        chat(server, [{"role": "user", "content": [image(pick()), {"type": "text",
+                                                                   "text": "what is it?"}]}])
+    elif kind == "multi_image":
+        images = [image(pick()) for _ in range(rng.randint(2, 3))]
+        chat(server, [{"role": "user", "content": [*images, {"type": "text",
+                                                             "text": "compare them"}]}])
+    elif kind in ("multi_turn", "agent"):
+        messages = []
+        for turn in range(rng.randint(2, 4)):
+            content = [image(pick())] if kind == "agent" or turn == 0 else []
+            messages.append({"role": "user", "content": [*content, {"type": "text",
+                                                                    "text": f"step {turn}"}]})
+            messages.append({"role": "assistant", "content": chat(server, messages)})
+    elif kind == "logprobs":
+        text = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>what colour?"
+                "<|im_end|>\n<|im_start|>assistant\n")
+        post(server, "/generate", {"text": text, "image_data": data_url(IMAGES[pick()]),
+                                   "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+                                   "return_logprob": True,
+                                   "logprob_start_len": rng.choice([0, 5, 40, 70, 75])})
+    elif kind == "n2":
+        out = post(server, "/v1/chat/completions", {
+            "model": "default", "n": 2, "temperature": 0.8, "max_tokens": 4,
+            "messages": [{"role": "user", "content": [image(pick()),
+                                                      {"type": "text", "text": "guess"}]}]})
+        assert len(out["choices"]) == 2
+    elif kind == "tenant":
+        chat(server, [{"role": "user", "content": [image(pick()), {"type": "text",
+                                                                   "text": "mine?"}]}],
+             cache_salt=rng.choice(["tenant-a", "tenant-b"]))
+    elif kind == "abort":
+        # a stream read for a moment and dropped: aborted while waiting or while running
+        body = {"model": "default", "stream": True, "temperature": 0, "max_tokens": 64,
+                "messages": [{"role": "user", "content": [image(pick()),
+                                                          {"type": "text", "text": "long"}]}]}
+        with requests.post(f"{server.url}/v1/chat/completions", json=body, stream=True,
+                           timeout=180) as response:
+            assert response.status_code == 200
+            for i, _ in enumerate(response.iter_lines()):
+                if i >= rng.randint(0, 3):
+                    break
+    elif kind == "flush":
+        requests.post(f"{server.url}/flush_cache", timeout=30)  # refused while busy: fine
+    return kind
+
+
+KINDS = ["single"] * 4 + ["multi_image"] * 2 + ["multi_turn"] * 2 + ["agent"] * 2 + \
+    ["logprobs", "n2", "tenant", "abort", "abort", "flush"]
+
+
+def test_mixed_workload_soak(server_factory):
+    server = server_factory("--unicache", "--unicache-method", "aircache",
+                            "--unicache-keep-ratio", "0.25", "--max-total-tokens", "1200",
+                            "--max-running-requests", "6", "--enable-cache-report")
+    flush_cache(server)
+    baseline = available_slots(server)
+    rng = random.Random(SEED)
+    jobs = [(random.Random(rng.random()), rng.choice(KINDS)) for _ in range(REQUESTS)]
+    with futures.ThreadPoolExecutor(6) as pool:
+        done = list(pool.map(lambda job: one_job(server, *job), jobs))
+    assert len(done) == REQUESTS  # every job answered (each asserts its own status)
+    state = internal_state(server)["unicache"]
+    assert state["integrity"] == []
+    assert state["images_compressed"] > 0 and state["spans_reused"] > 0
+    flush_cache(server, timeout=60)
+    state = internal_state(server)["unicache"]
+    assert state["integrity"] == [] and state["compressed_slots_held"] == 0
+    assert available_slots(server) == baseline
