@@ -108,6 +108,7 @@ class Stats:
     fallbacks: int = 0  # requests whose self-check failed even at escalate_max_keep: full KV kept
     escalations: int = 0  # budget doublings after a failed self-check
     errors: int = 0  # compressions that raised: full KV kept
+    retracted: int = 0  # requests retracted by the scheduler (restored to their own ids)
     skipped_cached: int = 0
     spans_reused: int = 0
     spans_recompressed: int = 0  # cached spans shrunk under memory pressure (radix_cache.py)
@@ -466,6 +467,7 @@ class Controller:
         req.unicache_rewrites = []
 
     def on_retract(self, req) -> None:
+        self.stats.retracted += 1
         self.undo(req)
         req.unicache_fresh = None
 

@@ -25,7 +25,7 @@ def live_requests(scheduler) -> list:
     reqs = {}
     for req in [*scheduler.running_batch.reqs, *scheduler.waiting_queue,
                 *([scheduler.chunked_req] if scheduler.chunked_req is not None else [])]:
-        if req.req_pool_idx is not None:
+        if req.kv.req_pool_idx is not None:
             reqs[req.rid] = req
     return list(reqs.values())
 
@@ -35,6 +35,14 @@ def _duplicates(slots: torch.Tensor) -> int:
 
 
 def check_integrity(scheduler, controller) -> list[str]:
+    """The violations found (one line each); never raises (it runs inside ``/server_info``)."""
+    try:
+        return _check(scheduler, controller)
+    except Exception as exc:  # a bug here must not take the scheduler down
+        return [f"check_integrity failed: {type(exc).__name__}: {exc}"]
+
+
+def _check(scheduler, controller) -> list[str]:
     allocator = scheduler.token_to_kv_pool_allocator
     tree = scheduler.tree_cache
     errors = []
@@ -50,7 +58,7 @@ def check_integrity(scheduler, controller) -> list[str]:
         errors.append(f"{int(both.sum())} slot(s) both free and in the tree")
     owned = []
     for req in live_requests(scheduler):
-        row = controller.req_to_token[req.req_pool_idx, :req.kv.kv_allocated_len]
+        row = controller.req_to_token[req.kv.req_pool_idx, :req.kv.kv_allocated_len]
         row = row.to(torch.int64).cpu()
         own = row[~torch.isin(row, held)]
         if torch.isin(own, free).any():

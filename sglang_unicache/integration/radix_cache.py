@@ -11,13 +11,16 @@ automatically with ``--unicache``. It differs from the default cache in three wa
 - Under memory pressure, a leaf that ends in a compressed span is re-compressed before it is
   evicted: each layer and head keeps its highest-priority entries (protected ones first,
   ``shrink.py``), the node's key and slots shrink in place, the rest of the slots go back to the
-  allocator. Only a span at its floor is evicted whole.
+  allocator. Only a span at its floor is evicted whole. A shrink counts as a touch: the shrunk
+  leaf goes behind every other leaf of the eviction walk, so every cached image is halved once
+  before any is halved twice, and one walk goes on until it has freed what it was asked for.
 
 A request using a span locks its node, so a span is never re-compressed under a running request.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 from array import array
 from dataclasses import replace
@@ -32,6 +35,7 @@ from sglang.srt.mem_cache.registry import (
     register_radix_cache_backend,
 )
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+from sglang.srt.mem_cache.unified_cache.components.base import get_and_increase_time_counter
 from sglang.srt.mem_cache.unified_cache.tree_core_registry import (
     get_tree_core_factory,
     register_tree_core_backend,
@@ -145,6 +149,7 @@ class CompressedRadixCache(UnifiedRadixCache):
             freed = self._shrink_leaf(node)
             if freed:
                 tracker[FULL] = tracker.get(FULL, 0) + freed
+                self._requeue(node)
                 return None
         spans = list(spans_of(node).values())
         result = super()._evict_device_leaf(node_id, tracker)
@@ -152,6 +157,22 @@ class CompressedRadixCache(UnifiedRadixCache):
             self.held -= meta.count
             self.controller.spans.discard(meta)
         return result
+
+    def _requeue(self, node) -> None:
+        """A shrunk leaf is still a leaf: it goes back into the running eviction walk (or the
+        walk could end with space still owed, and the allocation after it fail), behind every
+        other leaf, since a shrink counts as a touch (fair re-compression: every cached image is
+        halved once before any is halved twice)."""
+        now = get_and_increase_time_counter()
+        walk = node
+        while walk is not None:  # as a prefix match touches a path: the leaf newest
+            walk.last_access_time = now
+            now -= 0.00001
+            walk = walk.parent
+        full = self.tree_core.components_by_type[FULL]
+        if full.is_evict_device_ongoing:
+            heapq.heappush(full._evict_device_heap,
+                           (full.session_ref_eviction_strategy(node), node))
 
     def _shrink_leaf(self, node) -> int:
         """Re-compress the last span of an unlocked device leaf in place; slots freed (0: not

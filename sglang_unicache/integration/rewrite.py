@@ -79,6 +79,8 @@ def rewrite(req, spans: list[SpanRewrite]) -> Rewrite:
         cursor = span.end
     pieces += ids[cursor:]
     mm = req.multimodal_inputs
+    if hasattr(req, "get_mm_token_counts"):
+        req.get_mm_token_counts()  # usage counts the images as sent: count before the offsets move
     offsets = [list(item.offsets or []) for item in mm.mm_items]
     new_offsets = [_remap_offsets(o, spans) if o else o for o in offsets]  # before any change
     record = Rewrite(spans, ids, offsets, shift_mrope(mm, keep, int((~keep).sum())),

@@ -25,6 +25,7 @@ def test_same_image_different_question_reuses_the_compressed_span(compressing):
     assert after["vision_encoder_calls"] == before["vision_encoder_calls"], "image encoded again"
     assert after["images_compressed"] == before["images_compressed"]
     usage = second["usage"]
+    assert usage["prompt_tokens_details"]["image_tokens"] == IMAGE_TOKENS  # as sent, not K
     # Usage counts the image as the user sent it: N tokens cached, though the tree holds K.
     assert usage["prompt_tokens_details"]["cached_tokens"] >= TEXT_BEFORE_IMAGE + IMAGE_TOKENS
     assert usage["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"]

@@ -21,8 +21,8 @@ def scheduler_of(tree, reqs=()):
 
 
 def request(row: int, length: int):
-    return SimpleNamespace(rid=f"r{row}", req_pool_idx=row,
-                           kv=SimpleNamespace(kv_allocated_len=length))
+    return SimpleNamespace(rid=f"r{row}", kv=SimpleNamespace(req_pool_idx=row,
+                                                              kv_allocated_len=length))
 
 
 def test_a_consistent_pool_passes(cache):  # noqa: F811

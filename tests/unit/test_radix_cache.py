@@ -179,3 +179,34 @@ def test_a_flush_forgets_every_span(cache):
     assert cache.controller.spans.of_image(meta.image_key) is meta
     cache.reset()
     assert len(cache.controller.spans) == 0 and cache.compressed_slots_held() == 0
+
+
+def test_one_eviction_call_shrinks_and_then_evicts_as_far_as_it_was_asked(cache):
+    """Found by the soak: after one shrink the walk had no leaf left, so a large request for
+    space freed only that shrink; the allocation after it failed and the scheduler died."""
+    allocator = cache.token_to_kv_pool_allocator
+    baseline = allocator.available_size()
+    meta, _ = make_span(cache)
+    evicted = cache.evict(EvictParams(num_tokens=POOL)).num_tokens_evicted
+    assert allocator.available_size() == baseline  # shrunk to its floor, then evicted whole
+    assert evicted == len(PREFIX) + K + len(TAIL)
+    assert meta.recompressions == 3 and cache.compressed_slots_held() == 0
+    cache.sanity_check()
+
+
+def test_a_shrunk_span_goes_to_the_back_of_the_eviction_order(cache):
+    """A shrink counts as a touch: the next shrink takes another span (fair re-compression)."""
+    first, _ = make_span(cache)
+    allocator = cache.token_to_kv_pool_allocator
+    other_ids = cache.controller.compressed_ids(PAD + 1, START, K)
+    second = SpanMeta(namespace=(None, None), pad=PAD + 1, start=START, length=LENGTH,
+                      ids=other_ids, kept=first.kept.clone(), priority=first.priority.clone(),
+                      protected=first.protected, merged=None, method="knorm", keep_ratio=0.25)
+    key = RadixKey(array("q", PREFIX + list(other_ids) + TAIL))
+    cache.insert(InsertParams(key=key, value=allocator.alloc(len(key)).to(torch.int64)))
+    node = cache.match_prefix(MatchPrefixParams(key=key)).last_device_node
+    cache.attach(cache.node_holding(node, other_ids[0]), second)
+    cache.evict(EvictParams(num_tokens=1))  # shrinks the older span
+    cache.evict(EvictParams(num_tokens=1))  # then the other one, not the shrunk one again
+    assert (first.recompressions, second.recompressions) == (1, 1)
+    cache.sanity_check()
