@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export SGLANG_PLATFORM ?= unicache_cpu
 
-.PHONY: setup demo test lint format bench quality
+.PHONY: setup demo test lint format bench quality selfcheck-study
 
 setup: $(VENV)/.installed
 
@@ -34,8 +34,9 @@ bench: setup
 
 # Quality vs keep ratio (issue 6): the transformers reference on 40 items per setting, then
 # eval_serving.py for full + 7 methods x 5 keep ratios, reuse and long settings, and UniCache with
-# its former query-robustness blend (unicache-qw0.6); 41 server starts, ~35 minutes on the quiet
-# 2-core machine; then the tables, target checks and plots.
+# its former query-robustness blend (unicache-qw0.6); then the defaults as shipped (the self-check
+# on: unicache-shipped, 4 more servers); 45 server starts, ~45 minutes on the quiet 2-core
+# machine; then the tables, target checks and plots.
 # Results: runs/quality.json, runs/quality-qw.json, runs/quality.md, docs/img/quality-*.png.
 QUALITY_MODEL ?= sglang_unicache/checkpoints/tiny-vqa-qwen2-vl
 quality: setup
@@ -47,5 +48,18 @@ quality: setup
 	$(PY) benchmarks/quality/eval_serving.py --model $(QUALITY_MODEL) --methods unicache \
 		--ratios 0.01,0.05,0.1,0.25,0.5 --settings reuse,long --images 30 \
 		--set query_weight=0.6 --set anchor_fraction=0.05 --label=-qw0.6 --out runs/quality-qw.json
-	$(PY) benchmarks/quality/report.py runs/quality.json runs/quality-qw.json --plot-dir docs/img \
-		--markdown runs/quality.md
+	$(PY) benchmarks/quality/eval_serving.py --model $(QUALITY_MODEL) --methods unicache \
+		--ratios 0.01,0.05,0.1,0.25 --settings reuse,long --images 30 --selfcheck on \
+		--label=-shipped --out runs/quality-shipped.json
+	$(PY) benchmarks/quality/report.py runs/quality.json runs/quality-qw.json \
+		runs/quality-shipped.json --plot-dir docs/img --markdown runs/quality.md
+
+# What the self-check predicts (issue 13, docs/selfcheck.md): every statistic recorded per image
+# for every method at keep 5/10/25% in the reuse setting, against harm to later answers.
+# 22 server starts, ~45 minutes on the quiet 2-core machine.
+selfcheck-study: setup
+	$(PY) benchmarks/quality/eval_serving.py --model $(QUALITY_MODEL) \
+		--methods full,unicache,aircache,snapkv,h2o,pyramidkv,knorm,random --ratios 0.05,0.1,0.25 \
+		--settings reuse --images 30 --selfcheck record --out runs/selfcheck-study.json
+	$(PY) benchmarks/quality/selfcheck_study.py runs/selfcheck-study.json \
+		--markdown runs/selfcheck-study.md

@@ -9,6 +9,9 @@ chance), and for a grid of thresholds the share of images that pass and the accu
 answers of the images above and below it.
 
     python benchmarks/quality/selfcheck_study.py runs/selfcheck-study.json --markdown out.md
+
+It also prints Youden's J (true-positive rate - false-positive rate for "harmed") of each
+statistic at each threshold, the criterion the default threshold is chosen by.
 """
 
 from __future__ import annotations
@@ -65,6 +68,19 @@ def threshold_table(rows: list[dict], stat: str, thresholds: list[float]) -> lis
     return out
 
 
+def best_threshold(scores: list[float], labels: list[bool]) -> tuple[float, float, float, float]:
+    """(threshold, J, TPR, FPR) maximising J over the observed values (fail when > threshold)."""
+    pos = sum(labels)
+    neg = len(labels) - pos
+    best = (float("nan"), -1.0, 0.0, 0.0)
+    for t in sorted(set(scores)):
+        tpr = sum(s > t and y for s, y in zip(scores, labels, strict=True)) / pos
+        fpr = sum(s > t and not y for s, y in zip(scores, labels, strict=True)) / neg
+        if tpr - fpr > best[1]:
+            best = (t, tpr - fpr, tpr, fpr)
+    return best
+
+
 def quantiles(values: list[float], qs: list[float]) -> list[float]:
     s = sorted(values)
     return [s[min(len(s) - 1, int(q * len(s)))] for q in qs]
@@ -72,11 +88,11 @@ def quantiles(values: list[float], qs: list[float]) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results")
+    parser.add_argument("results", nargs="+", help="eval_serving.py outputs (merged)")
     parser.add_argument("--ratios", default="", help="only these keep ratios (comma list)")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
-    results = json.load(open(args.results))
+    results = [entry for path in args.results for entry in json.load(open(path))]
     ratios = {float(r) for r in args.ratios.split(",")} if args.ratios else None
     rows = records(results, ratios)
     harmed = [r["harmed"] for r in rows]
@@ -92,6 +108,23 @@ def main() -> None:
             per.append(auc([r["stats"][stat] for r in sub], [r["harmed"] for r in sub]))
         lines.append(f"| {stat} | {auc([r['stats'][stat] for r in rows], harmed):.3f} | "
                      + " | ".join(f"{a:.3f}" for a in per) + " |")
+    lines += ["", "Per method and keep ratio: the seed's KL (median, 90th percentile, max), the "
+              "images harmed, and the later-answer accuracy:", "",
+              "| method | keep | images | KL p50 | KL p90 | KL max | harmed | accuracy |",
+              "|---|---|---|---|---|---|---|---|"]
+    for method, keep in sorted({(r["method"], r["keep_ratio"]) for r in rows}):
+        group = [r for r in rows if (r["method"], r["keep_ratio"]) == (method, keep)]
+        p50, p90 = quantiles([r["stats"]["kl"] for r in group], [0.5, 0.9])
+        top = max(r["stats"]["kl"] for r in group)
+        acc = sum(r["correct"] for r in group) / sum(r["asked"] for r in group)
+        lines.append(f"| {method} | {keep} | {len(group)} | {p50:.2f} | {p90:.2f} | {top:.2f} | "
+                     f"{sum(r['harmed'] for r in group)} | {acc:.1%} |")
+    lines += ["", "Best threshold of each statistic by Youden's J (harmed = positive):", "",
+              "| statistic | threshold | J | true-positive rate | false-positive rate |",
+              "|---|---|---|---|---|"]
+    for stat in SELFCHECK_STATISTICS:
+        t, j, tpr, fpr = best_threshold([r["stats"][stat] for r in rows], harmed)
+        lines.append(f"| {stat} | {t:.3f} | {j:.3f} | {tpr:.3f} | {fpr:.3f} |")
     for stat in SELFCHECK_STATISTICS:
         values = [r["stats"][stat] for r in rows]
         grid = quantiles(values, [0.5, 0.75, 0.9, 0.95, 0.99])

@@ -18,6 +18,8 @@ def test_defaults_are_seed_8_1() -> None:
     assert (c.visual_rate_cap, c.text_rate_cap) == (0.8, 0.4)
     assert (c.alignment_threshold, c.alignment_discount) == (0.3, 0.5)
     assert (c.merge_threshold, c.evict_low, c.evict_high) == (0.8, 0.5, 0.8)
+    # the self-check's statistic is the seed's; its threshold is calibrated (docs/selfcheck.md)
+    assert (c.selfcheck_statistic, c.selfcheck_threshold, c.escalate_max_keep) == ("kl", 0.9, 0.4)
     assert c.complexity_lambda == 2.0 and (c.dynamic_rate_min, c.dynamic_rate_max) == (0.4, 0.75)
     assert c.aircache_alpha == 0.9 and c.method == "unicache" and c.keep_ratio == 0.1
 
