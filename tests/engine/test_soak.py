@@ -39,28 +39,38 @@ def post(server, path: str, body: dict, timeout: float = 180) -> dict:
     return response.json()
 
 
-def chat(server, messages: list, **params) -> str:
+def chat(server, messages: list, answers: list | None = None, **params) -> str:
     out = post(server, "/v1/chat/completions", {"model": "default", "messages": messages,
                                                  "temperature": 0, "max_tokens": 4, **params})
-    return out["choices"][0]["message"]["content"]
+    text = out["choices"][0]["message"]["content"]
+    if answers is not None:
+        answers.append(text)
+    return text
 
 
-def one_job(server, rng: random.Random, kind: str) -> str:
+DETERMINISTIC = ("single", "multi_image", "multi_turn", "agent", "tenant")
+
+
+def one_job(server, rng: random.Random, kind: str) -> list[str]:
+    """Run one job; the greedy answers it got (for the deterministic kinds)."""
     pick = lambda: rng.randrange(len(IMAGES))  # noqa: E731
+    answers: list[str] = []
     if kind == "single":
         chat(server, [{"role": "user", "content": [image(pick()), {"type": "text",
-                                                                   "text": "what is it?"}]}])
+                                                                   "text": "what is it?"}]}],
+             answers)
     elif kind == "multi_image":
         images = [image(pick()) for _ in range(rng.randint(2, 3))]
         chat(server, [{"role": "user", "content": [*images, {"type": "text",
-                                                             "text": "compare them"}]}])
+                                                             "text": "compare them"}]}],
+             answers)
     elif kind in ("multi_turn", "agent"):
         messages = []
         for turn in range(rng.randint(2, 4)):
             content = [image(pick())] if kind == "agent" or turn == 0 else []
             messages.append({"role": "user", "content": [*content, {"type": "text",
                                                                     "text": f"step {turn}"}]})
-            messages.append({"role": "assistant", "content": chat(server, messages)})
+            messages.append({"role": "assistant", "content": chat(server, messages, answers)})
     elif kind == "logprobs":
         text = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>what colour?"
                 "<|im_end|>\n<|im_start|>assistant\n")
@@ -77,7 +87,7 @@ def one_job(server, rng: random.Random, kind: str) -> str:
     elif kind == "tenant":
         chat(server, [{"role": "user", "content": [image(pick()), {"type": "text",
                                                                    "text": "mine?"}]}],
-             cache_salt=rng.choice(["tenant-a", "tenant-b"]))
+             answers, cache_salt=rng.choice(["tenant-a", "tenant-b"]))
     elif kind == "abort":
         # a stream read for a moment and dropped: aborted while waiting or while running
         body = {"model": "default", "stream": True, "temperature": 0, "max_tokens": 64,
@@ -93,11 +103,17 @@ def one_job(server, rng: random.Random, kind: str) -> str:
         requests.post(f"{server.url}/flush_cache", timeout=30)  # refused while busy: fine
     elif kind == "inspect":  # the invariants hold between scheduler steps, under load too
         assert internal_state(server)["unicache"]["integrity"] == []
-    return kind
+    return answers
 
 
 KINDS = ["single"] * 4 + ["multi_image"] * 2 + ["multi_turn"] * 2 + ["agent"] * 2 + \
     ["logprobs", "n2", "tenant", "abort", "abort", "flush", "inspect", "inspect"]
+
+
+def jobs_of(seed: int, count: int) -> list[tuple[float, str]]:
+    """(seed of the job's own choices, kind) of ``count`` jobs."""
+    rng = random.Random(seed)
+    return [(rng.random(), rng.choice(KINDS)) for _ in range(count)]
 
 
 def test_mixed_workload_soak(server_factory, nocheck_config):
@@ -106,21 +122,35 @@ def test_mixed_workload_soak(server_factory, nocheck_config):
     server = server_factory("--unicache", "--unicache-method", "aircache",
                             "--unicache-keep-ratio", "0.25", "--unicache-config", nocheck_config,
                             "--max-total-tokens", "640",
-                            "--max-running-requests", "4", "--enable-cache-report")
+                            "--max-running-requests", "4", "--enable-cache-report",
+                            env={"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "5"})
     flush_cache(server)
     baseline = available_slots(server)
-    rng = random.Random(SEED)
-    jobs = [(random.Random(rng.random()), rng.choice(KINDS)) for _ in range(REQUESTS)]
+    jobs = jobs_of(SEED, REQUESTS)
     with futures.ThreadPoolExecutor(8) as pool:
-        done = list(pool.map(lambda job: one_job(server, *job), jobs))
+        done = list(pool.map(lambda job: one_job(server, random.Random(job[0]), job[1]), jobs))
     assert len(done) == REQUESTS  # every job answered (each asserts its own status)
     state = internal_state(server)["unicache"]
     assert state["integrity"] == []
     assert state["images_compressed"] > 0 and state["spans_reused"] > 0
     assert state["spans_recompressed"] > 0, "the pool never put cached spans under pressure"
+    assert state["retracted"] > 0, "no request was retracted (SGLANG_TEST_RETRACT)"
     print("soak:", {k: state[k] for k in ("images_compressed", "spans_reused", "retracted",
                                           "spans_recompressed", "escalations", "fallbacks")})
     flush_cache(server, timeout=60)
     state = internal_state(server)["unicache"]
     assert state["integrity"] == [] and state["compressed_slots_held"] == 0
     assert available_slots(server) == baseline
+
+
+def test_the_soak_at_keep_1_is_token_identical_to_stock(server_factory, stock):
+    """The same seeded jobs (the greedy ones, one at a time) through the plugin at keep 1.0 and
+    through stock SGLang give the same tokens."""
+    identity = server_factory("--unicache", "--unicache-keep-ratio", "1.0", "--enable-cache-report")
+    jobs = [(seed, kind) for seed, kind in jobs_of(SEED, REQUESTS // 3) if kind in DETERMINISTIC]
+    flush_cache(identity)
+    flush_cache(stock)
+    ours = [one_job(identity, random.Random(seed), kind) for seed, kind in jobs]
+    theirs = [one_job(stock, random.Random(seed), kind) for seed, kind in jobs]
+    assert ours == theirs and sum(len(a) for a in ours) >= 10
+    assert internal_state(identity)["unicache"]["integrity"] == []
