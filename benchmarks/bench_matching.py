@@ -1,10 +1,16 @@
 """Per-round cost of the plugin's bookkeeping with a large tree (issue 14, defect 8).
 
-Every scheduling round publishes the gauge ``compressed_slots_held`` for every waiting request
-it re-matches (with ``--enable-metrics``). Before, the gauge scanned every node of the tree
-(``count_held``, still what ``check_integrity`` compares against); now the radix cache keeps it as
-a counter. This builds SGLang's radix cache on a real pool with many cached compressed spans and
-times both, per call.
+Every scheduling round re-matches every waiting request and publishes the gauge
+``compressed_slots_held`` (with ``--enable-metrics``). Two costs grew with the wrong thing:
+
+- the gauge scanned every node of the tree (``count_held``, still what ``check_integrity``
+  compares against); now the radix cache keeps it as a counter;
+- each waiting request redid restore, rewrite and its prefix matches every round; now the
+  decision is kept until the span index changes (``SpanIndex.epoch``), and a round costs one
+  match, as for any request.
+
+This builds SGLang's radix cache on a real pool with many cached compressed spans, and waiting
+requests that each reuse one of them, and times both, before and after.
 
     python benchmarks/bench_matching.py --spans 2000 --waiting 64
 """
@@ -14,6 +20,7 @@ from __future__ import annotations
 import argparse
 import time
 from array import array
+from types import SimpleNamespace
 
 import torch
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
@@ -39,9 +46,9 @@ def build(spans: int):
     tree = radix_cache.CompressedRadixCache(CacheInitParams(
         disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator, page_size=1,
         tree_components=(ComponentType.FULL,), tree_core_backend=radix_cache.BACKEND))
-    tree.controller = Controller(UniCacheConfig(), None, pool, allocator)
+    tree.enable_spans(radix_cache.SpanSettings.of(UniCacheConfig()))
     for i in range(spans):
-        ids = tree.controller.compressed_ids(1_000_000 + i, TEXT, K)
+        ids = tree.settings.naming.ids(1_000_000 + i, TEXT, K)
         key = RadixKey(array("q", [11 + i % 7] * TEXT + list(ids) + [21 + i] * TEXT))
         tree.insert(InsertParams(key=key, value=allocator.alloc(len(key)).to(torch.int64)))
         node = tree.match_prefix(MatchPrefixParams(key=key)).last_device_node
@@ -49,7 +56,45 @@ def build(spans: int):
                         torch.zeros(1, 1, K, dtype=torch.int32), torch.zeros(1, 1, K),
                         torch.empty(0, dtype=torch.int64), None, "unicache", 0.1)
         tree.attach(tree.node_holding(node, ids[0]), meta)
+        tree.spans.add(meta)
     return tree
+
+
+N = 64  # image tokens of each span
+
+
+def waiting_request(i: int):
+    """A request about cached image ``i`` with a new question (the shape ``Controller`` reads)."""
+    ids = array("q", [11 + i % 7] * TEXT + [1_000_000 + i] * N + [99] * TEXT)
+    item = SimpleNamespace(offsets=[(TEXT, TEXT + N - 1)], pad_value=1_000_000 + i,
+                           modality=SimpleNamespace(name="IMAGE"))
+    return SimpleNamespace(
+        rid=f"w{i}", origin_input_ids=ids, output_ids=[], return_logprob=False, session=None,
+        extra_key=None, cache_salt=None, is_retracted=False, prefix_len=0,
+        multimodal_inputs=SimpleNamespace(mm_items=[item], mrope_positions=None,
+                                          mrope_position_delta=None),
+        kv=SimpleNamespace(holds_kv=False))
+
+
+def round_cost(tree, waiting: int, decide_every_round: bool) -> float:
+    controller = Controller(UniCacheConfig(), None, None, tree.token_to_kv_pool_allocator)
+    controller.tree = tree
+    reqs = [waiting_request(i) for i in range(waiting)]
+
+    def one_round() -> None:
+        for req in reqs:
+            if decide_every_round:
+                req.unicache_matched = None  # what every round did before
+
+            def match(req=req) -> None:
+                key = RadixKey(array("q", req.origin_input_ids))
+                req.prefix_len = tree.match_prefix(MatchPrefixParams(key=key)).device_prefix_len
+
+            controller.match_with_reuse(match, req)
+
+    one_round()
+    assert all(len(r.origin_input_ids) == 2 * TEXT + K for r in reqs), "every span reused"
+    return per_call(one_round, 20)
 
 
 def per_call(fn, calls: int) -> float:
@@ -74,6 +119,14 @@ def main() -> None:
     print(f"| before: scan every node | {before * 1e3:.2f} ms | "
           f"{before * args.waiting * 1e3:.1f} ms |")
     print(f"| after: counter | {after * 1e6:.2f} us | {after * args.waiting * 1e3:.3f} ms |")
+    decided = round_cost(tree, args.waiting, decide_every_round=True)
+    kept = round_cost(tree, args.waiting, decide_every_round=False)
+    print()
+    print(f"| reuse matching, {args.waiting} waiting requests each reusing a cached span | "
+          "per round |")
+    print("|---|---|")
+    print(f"| before: restore + rewrite + match, every round | {decided * 1e3:.2f} ms |")
+    print(f"| after: decided once per span-index change, one match | {kept * 1e3:.2f} ms |")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ tensor and stores a tuple of per-layer views (no copy).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,9 +24,38 @@ def _cpu(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.detach().cpu()
 
 
+class LayerView(Sequence[Tensor]):
+    """Per-layer ``[T, H, D]`` tensors made on access (``get(layer)``, e.g. gathered from a KV
+    pool one layer at a time), so a long prompt's K/V is never held for every layer at once.
+    Every layer has ``shape``, ``dtype`` and ``device``."""
+
+    def __init__(self, num_layers: int, shape: tuple[int, ...], get: Callable[[int], Tensor],
+                 dtype: torch.dtype, device: torch.device):
+        self._n, self.shape, self._get = num_layers, tuple(shape), get
+        self.dtype, self.device = dtype, device
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, layer):
+        if isinstance(layer, slice):
+            return [self[i] for i in range(*layer.indices(self._n))]
+        if layer < 0:
+            layer += self._n
+        if not 0 <= layer < self._n:
+            raise IndexError(layer)
+        return self._get(layer)
+
+
+def _shape(layers: Sequence[Tensor]) -> tuple[int, ...]:
+    return layers.shape if isinstance(layers, LayerView) else tuple(layers[0].shape)
+
+
 def _per_layer(x: Sequence[Tensor] | Tensor | None, name: str) -> tuple[Tensor, ...] | None:
     if x is None:
         return None
+    if isinstance(x, LayerView):
+        return x
     if isinstance(x, Tensor):
         return tuple(x.unbind(0))
     if not isinstance(x, Sequence) or not all(isinstance(t, Tensor) for t in x):
@@ -110,10 +139,14 @@ class ScoreInputs:
         self.spans = tuple(sorted(self.spans, key=lambda s: s.start))
         if not self.keys or len(self.keys) != len(self.values):
             raise ValueError("keys and values need the same, non-zero number of layers")
-        t, h, d = self.keys[0].shape
-        for k, v in zip(self.keys, self.values, strict=True):
-            if k.shape != (t, h, d) or v.shape != (t, h, d):
+        t, h, d = _shape(self.keys)
+        if isinstance(self.keys, LayerView) or isinstance(self.values, LayerView):
+            if _shape(self.values) != (t, h, d):
                 raise ValueError(f"every layer's keys/values must be [T={t}, H={h}, D={d}]")
+        else:
+            for k, v in zip(self.keys, self.values, strict=True):
+                if k.shape != (t, h, d) or v.shape != (t, h, d):
+                    raise ValueError(f"every layer's keys/values must be [T={t}, H={h}, D={d}]")
         for a, b in zip(self.spans, self.spans[1:], strict=False):
             if a.end > b.start:
                 raise ValueError(f"spans overlap: [{a.start},{a.end}) and [{b.start},{b.end})")
@@ -140,11 +173,11 @@ class ScoreInputs:
 
     @property
     def num_tokens(self) -> int:
-        return self.keys[0].shape[0]
+        return _shape(self.keys)[0]
 
     @property
     def num_kv_heads(self) -> int:
-        return self.keys[0].shape[1]
+        return _shape(self.keys)[1]
 
     @property
     def head_dim(self) -> int:
@@ -152,11 +185,11 @@ class ScoreInputs:
 
     @property
     def device(self) -> torch.device:
-        return self.keys[0].device
+        return self.keys.device if isinstance(self.keys, LayerView) else self.keys[0].device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.keys[0].dtype
+        return self.keys.dtype if isinstance(self.keys, LayerView) else self.keys[0].dtype
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """Score capture: the observation queries of each eligible request, taken during its prefill.
 
-DESIGN.md §3 (score capture). An AROUND hook on ``AttentionBackend.forward`` sees every layer's
-post-RoPE queries of the tokens being extended, for any attention backend. Before the forward,
-``QueryCapture`` computes once which rows of the flattened batch are the last W prompt positions
-of the requests that will be compressed; each layer then costs one gather (no per-request loop,
+DESIGN.md §3 (score capture). The AROUND hook on ``AttentionBackend.forward`` (``hooks.py``) sees
+every layer's post-RoPE queries of the tokens being extended, for any attention backend. Before
+the forward, ``QueryCapture`` computes once which rows of the flattened batch are the last W
+prompt positions of the requests that will be compressed; each layer costs one gather (no loop,
 no host sync). Memory: ``layers x W x q_heads x head_dim`` per request. Keys need no capture: they
 are in the KV pool after the forward.
 """
@@ -51,17 +51,3 @@ class QueryCapture:
         start = self.starts[target.rid]
         stop = start + len(target.rows)
         return [self.queries[layer][start:stop] for layer in sorted(self.queries)]
-
-
-_active: QueryCapture | None = None
-
-
-def set_active(capture: QueryCapture | None) -> None:
-    global _active
-    _active = capture
-
-
-def around_attention_forward(original, backend, q, k, v, layer, forward_batch, *args, **kwargs):
-    if _active is not None and forward_batch.forward_mode.is_extend():
-        _active.record(layer.layer_id, q, layer.head_dim)
-    return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)

@@ -1,4 +1,6 @@
-"""Compaction: write a request's compressed spans into its slots and shorten its row.
+"""Every write of compressed entries into pool slots: a request's spans after prefill
+(``write_spans``, undone by ``restore_spans``) and a cached span's entries when it is re-compressed
+(``move_entries``). The allocator's free list is the only other owner of a slot.
 
 Region map of one request's ``req_to_token`` row before and after (one span ``[s, e)``, N = e - s
 tokens kept as K entries, L prompt tokens; D = N - K):
@@ -9,8 +11,8 @@ tokens kept as K entries, L prompt tokens; D = N - K):
     freed   the span's last N - K slots, returned to the allocator
 
 Every compressible span lies past the request's tree-owned prefix (``cache_protected_len``), so
-all slots touched here belong to the request alone. The K/V of each layer and head is gathered
-before anything is overwritten.
+all slots touched here belong to the request alone. The K/V each write overwrites is copied first
+(``backup_spans``), so a failure restores it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_unicache.kernels.gather import write_compressed
+from sglang_unicache.types import LayerView
 
 
 @dataclass
@@ -48,11 +51,38 @@ class Compaction:
         return self.freed.numel()
 
 
-def gather_prompt_kv(k_buffers, v_buffers, row: torch.Tensor):
-    """Per layer ``[L, H, D]`` copies of the prompt's K and V (token-major, as in the pool)."""
+def pool_buffers(kv_pool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer K and V buffers of this rank's layers (``[slots, H, D]`` each)."""
+    layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)
+    return ([kv_pool.get_key_buffer(i) for i in layers],
+            [kv_pool.get_value_buffer(i) for i in layers])
+
+
+def move_entries(k_buffers, v_buffers, slots: torch.Tensor, keep: torch.Tensor) -> None:
+    """Within a span's ``slots`` (K), move entries ``keep`` (``[L, H, K']``, per layer and head)
+    to the first K' slots (re-compression, ``radix_cache.py``)."""
+    index = slots.to(torch.int64)
+    head = index[:keep.shape[-1]]
+    for layer, (kb, vb) in enumerate(zip(k_buffers, v_buffers, strict=True)):
+        pick = keep[layer].to(kb.device).t().unsqueeze(-1)  # [K', H, 1]
+        for buf in (kb, vb):
+            entries = buf.index_select(0, index)  # [K, H, D]
+            buf[head] = entries.gather(0, pick.expand(-1, -1, entries.shape[-1]))
+
+
+def prompt_kv(k_buffers, v_buffers, row: torch.Tensor) -> tuple[LayerView, LayerView]:
+    """The prompt's K and V per layer (``[L, H, D]``, token-major as in the pool), gathered from
+    the pool when a layer is read: the policy reads one layer at a time, so a long prompt's K/V
+    is never copied for every layer at once (issue 14, 8c)."""
     index = row.to(torch.int64)
-    return ([k.index_select(0, index) for k in k_buffers],
-            [v.index_select(0, index) for v in v_buffers])
+
+    def view(buffers) -> LayerView:
+        first = buffers[0]
+        return LayerView(len(buffers), (index.numel(), *first.shape[1:]),
+                         lambda layer: buffers[layer].index_select(0, index),
+                         first.dtype, first.device)
+
+    return view(k_buffers), view(v_buffers)
 
 
 def plan_compaction(row: torch.Tensor, spans: list[SpanResult]) -> Compaction:
@@ -63,6 +93,16 @@ def plan_compaction(row: torch.Tensor, spans: list[SpanResult]) -> Compaction:
     return Compaction(row=row[keep], freed=row[~keep].to(torch.int64))
 
 
+def backup_spans(row: torch.Tensor, spans: list[SpanResult], k_buffers, v_buffers):
+    """Per span, per layer copies of the K/V ``write_spans`` will overwrite (its first K slots)."""
+    backup = []
+    for span in spans:
+        slots = row[span.start:span.start + span.kept].to(torch.int64)
+        backup.append(([k.index_select(0, slots) for k in k_buffers],
+                       [v.index_select(0, slots) for v in v_buffers]))
+    return backup
+
+
 def write_spans(row: torch.Tensor, spans: list[SpanResult], k_buffers, v_buffers) -> None:
     """Write every span's compressed K/V into its first K slots of ``row`` (the row before
     compaction)."""
@@ -71,10 +111,9 @@ def write_spans(row: torch.Tensor, spans: list[SpanResult], k_buffers, v_buffers
         write_compressed(k_buffers, v_buffers, slots, span.keys, span.values)
 
 
-def restore_spans(row: torch.Tensor, spans: list[SpanResult], keys, values, k_buffers,
+def restore_spans(row: torch.Tensor, spans: list[SpanResult], backup, k_buffers,
                   v_buffers) -> None:
-    """Undo ``write_spans`` from the prompt's K/V gathered before it (``gather_prompt_kv``)."""
-    for span in spans:
-        sl = slice(span.start, span.start + span.kept)
-        write_compressed(k_buffers, v_buffers, row[sl].to(torch.int64),
-                         [k[sl] for k in keys], [v[sl] for v in values])
+    """Undo ``write_spans`` from ``backup_spans``."""
+    for span, (keys, values) in zip(spans, backup, strict=True):
+        slots = row[span.start:span.start + span.kept].to(torch.int64)
+        write_compressed(k_buffers, v_buffers, slots, keys, values)

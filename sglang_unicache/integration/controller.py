@@ -21,8 +21,6 @@ Life of a request with an image (non-overlap scheduler):
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import time
 from collections import deque
@@ -34,19 +32,23 @@ from sglang_unicache.config import UniCacheConfig
 from sglang_unicache.integration.capture import CaptureTarget, QueryCapture
 from sglang_unicache.integration.compaction import (
     SpanResult,
-    gather_prompt_kv,
+    backup_spans,
     plan_compaction,
+    pool_buffers,
+    prompt_kv,
     restore_spans,
     write_spans,
 )
+from sglang_unicache.integration.radix_cache import SpanSettings
 from sglang_unicache.integration.rewrite import (
     Rewrite,
     SpanRewrite,
     original_position,
     restore,
     rewrite,
+    shorten,
 )
-from sglang_unicache.integration.spans import SpanIndex, SpanMeta
+from sglang_unicache.integration.spans import SpanIndex, SpanMeta, SpanNaming
 from sglang_unicache.registry import build_method
 from sglang_unicache.types import ImageSpan, ScoreInputs
 
@@ -87,17 +89,15 @@ def namespace(req) -> tuple[object, object]:
     """The radix tree's namespace of a request: spans never cross it (tenancy)."""
     return (req.extra_key, req.cache_salt or None)
 
-# Compressed span ids live where SGLang's image pad ids do: above every vocabulary
-# (MM_PAD_SHIFT_VALUE), with 62 hash bits, so two different spans never start with the same id
-# (the radix tree tells children apart by their first token).
-COMPRESSED_ID_BASE = 1_000_000
-COMPRESSED_ID_MASK = (1 << 62) - (1 << 24)  # room for 2**24 consecutive ids, below 2**63
 
 # One warning line when more than this share of the last FALLBACK_WINDOW checked requests kept
 # their full KV: the user is running a no-op and should know which keys to look at.
 FALLBACK_WINDOW = 32
 FALLBACK_WARN_SHARE = 0.5
 RECENT_CHECKS = 64  # self-check outcomes kept for /server_info
+
+
+_NO_SPANS = SpanIndex()  # without a radix cache nothing is reused
 
 
 @dataclass
@@ -111,9 +111,7 @@ class Stats:
     retracted: int = 0  # requests retracted by the scheduler (restored to their own ids)
     skipped_cached: int = 0
     spans_reused: int = 0
-    spans_recompressed: int = 0  # cached spans shrunk under memory pressure (radix_cache.py)
-    recompress_slots_freed: int = 0
-    vision_encoder_calls: int = 0  # Qwen2-VL image encoder batches run (tests read it)
+    images_prefilled: int = 0  # image spans a prefill computed (SGLang encodes exactly these)
     compress_seconds: float = 0.0  # policy + compaction, summed (benchmarks read it)
     prefill_seconds: float = 0.0  # forwards of extend batches that had targets, summed
 
@@ -138,15 +136,16 @@ class Controller:
     pending: dict[str, Pending] = field(default_factory=dict)
     capture: QueryCapture | None = None
     metrics: object | None = None  # metrics.Metrics with --enable-metrics
-    tree: object | None = None  # radix_cache.CompressedRadixCache, unless the radix cache is off
+    # radix_cache.CompressedRadixCache, unless the radix cache is off: it owns the cached spans'
+    # metadata and the index by image (what a later request's ids are rewritten to).
+    tree: object | None = None
     mrope: bool = True  # positions through M-RoPE data (Qwen2-VL); else a 1-D offset per request
-    # The spans the tree holds, by image (what a later request's ids are rewritten to).
     # Per request state lives on the request itself, so it dies with it (an aborted request
     # leaves nothing behind): ``req.unicache_rewrites``, every rewrite of its ids (the reuse
-    # rewrite at match time, then the compression of its own images), oldest first; and
+    # rewrite at match time, then the compression of its own images), oldest first;
     # ``req.unicache_fresh``, the (row position, metadata) of the spans it compressed, until its
-    # KV is in the tree.
-    spans: SpanIndex = field(default_factory=SpanIndex)
+    # KV is in the tree; ``req.unicache_matched``, the span index epoch its reuse was decided at.
+    deferred: set[str] = field(default_factory=set)  # rids whose checkpoint waits (this round)
 
     def __post_init__(self) -> None:
         # A slot spans every layer, so every layer keeps the same number of entries: layers whose
@@ -161,8 +160,14 @@ class Controller:
             logger.info("sglang-unicache: %s at keep %.3g; self-check %s <= %.3g, escalating up "
                         "to keep %.3g before keeping full KV", cfg.method, cfg.keep_ratio,
                         cfg.selfcheck_statistic, cfg.selfcheck_threshold, cfg.escalate_max_keep)
-        digest = json.dumps(self.config.to_dict(), sort_keys=True, default=str)
-        self.config_digest = hashlib.sha256(digest.encode()).hexdigest()[:16]
+        self.naming = SpanNaming.of(self.config)
+        if self.tree is not None:
+            self.tree.enable_spans(SpanSettings(self.naming, cfg.recompress,
+                                                cfg.recompress_factor, cfg.recompress_floor))
+
+    @property
+    def spans(self) -> SpanIndex:
+        return self.tree.spans if self.tree is not None else _NO_SPANS
 
     # -- 1. choose targets ----------------------------------------------------------------------
     def image_spans(self, req) -> list[tuple[int, int, int]]:
@@ -179,8 +184,16 @@ class Controller:
         return sorted(spans)
 
     def begin_forward(self, batch) -> QueryCapture | None:
+        """Everything decided about an extend batch, once, before it runs: which requests are
+        targets (and their spans and observation rows), which middle chunks keep their KV out of
+        the tree until their last chunk, and how many images the prefill computes."""
         self.pending.clear()
+        self.deferred.clear()
         self.capture = None
+        for req, extend_len in zip(batch.reqs, batch.extend_lens, strict=True):
+            first = req.extend_end - extend_len
+            self.stats.images_prefilled += sum(
+                first <= start < req.extend_end for start, _, _ in self.image_spans(req))
         if not self.active or getattr(batch, "decoding_reqs", None):
             return None
         targets, spans_of = [], {}
@@ -188,7 +201,10 @@ class Controller:
         for i, (req, extend_len) in enumerate(zip(batch.reqs, batch.extend_lens, strict=True)):
             start_row, offset = offset, offset + extend_len
             if req.extend_end != len(req.full_untruncated_fill_ids):
-                continue  # a middle chunk: compress when the prompt is complete
+                # A middle chunk: compress when the prompt is complete.
+                if self._owns_images(req):
+                    self.deferred.add(req.rid)
+                continue
             spans = self.new_image_spans(req)
             if not spans:
                 continue
@@ -219,13 +235,15 @@ class Controller:
                 self.stats.skipped_cached += 1
         return spans
 
+    def _owns_images(self, req) -> bool:
+        return not full_kv_only(req) and any(
+            start >= req.kv.cache_protected_len for start, _, _ in self.image_spans(req))
+
     def defer_chunk_checkpoint(self, req) -> bool:
-        """True for a middle prefill chunk of a request with images to compress: its KV stays
-        the request's own (not inserted into the tree) until the last chunk is compressed."""
-        return (self.active and req.extend_end < len(req.full_untruncated_fill_ids)
-                and not full_kv_only(req)
-                and any(start >= req.kv.cache_protected_len
-                        for start, _, _ in self.image_spans(req)))
+        """True for a middle prefill chunk of a request with images to compress (decided in
+        ``begin_forward``): its KV stays the request's own (not inserted into the tree) until
+        the last chunk is compressed."""
+        return req.rid in self.deferred
 
     # -- 3. compress ----------------------------------------------------------------------------
     def on_checkpoint(self, req) -> None:
@@ -242,18 +260,12 @@ class Controller:
                              req.rid)
         self.stats.compress_seconds += time.perf_counter() - start
 
-    def _buffers(self):
-        pool = self.kv_pool
-        layers = range(pool.start_layer, pool.start_layer + pool.layer_num)
-        return ([pool.get_key_buffer(i) for i in layers],
-                [pool.get_value_buffer(i) for i in layers])
-
     def _compress(self, req, pending: Pending, queries: list[torch.Tensor]) -> None:
         length = req.extend_end
         row_index = req.kv.req_pool_idx
         row = self.req_to_token[row_index, :length].clone()
-        k_buffers, v_buffers = self._buffers()
-        keys, values = gather_prompt_kv(k_buffers, v_buffers, row)
+        k_buffers, v_buffers = pool_buffers(self.kv_pool)
+        keys, values = prompt_kv(k_buffers, v_buffers, row)
         spans = [ImageSpan(start, end) for start, end, _ in pending.spans]
         positions = torch.tensor(list(pending.target.positions), dtype=torch.int64)
         plan = self.method.plan(ScoreInputs(keys, values, spans, obs_queries=queries,
@@ -276,16 +288,17 @@ class Controller:
             return
         # All or nothing: everything above only read. The ids are rewritten first (atomic, and
         # undone below on failure); then the pool, the row and the lengths change, rolled back
-        # from the copies taken above if anything raises; the slots are freed last.
+        # from the copies taken first if anything raises; the slots are freed last.
         compaction = plan_compaction(row, results)
         removed = compaction.removed
+        backup = backup_spans(row, results, k_buffers, v_buffers)
         self._rewrite_ids(req, pending, results)
         try:
             write_spans(row, results, k_buffers, v_buffers)
             self.req_to_token[row_index, :length - removed] = compaction.row
-            self._shorten(req, pending, removed)
+            shorten(req, pending.batch, pending.target.batch_index, removed)
         except BaseException:
-            restore_spans(row, results, keys, values, k_buffers, v_buffers)
+            restore_spans(row, results, backup, k_buffers, v_buffers)
             self.req_to_token[row_index, :length] = row
             restore(req, req.unicache_rewrites.pop())
             raise
@@ -325,40 +338,13 @@ class Controller:
                 sum(self.outcomes), len(self.outcomes), cfg.selfcheck_statistic,
                 cfg.selfcheck_threshold, max(cfg.escalate_max_keep, cfg.keep_ratio))
 
-    def compressed_ids(self, pad_id: int, start: int, count: int) -> tuple[int, ...]:
-        """Token ids of a compressed span: one per kept entry, the same for the same image at the
-        same position under the same config and budget, so the radix tree can share the span;
-        a different budget (e.g. after re-compression) gives ids that share no prefix."""
-        key = f"{pad_id}:{start}:{self.config_digest}:{count}".encode()
-        digest = int.from_bytes(hashlib.sha256(key).digest()[:8], "big")
-        base = COMPRESSED_ID_BASE + (digest & COMPRESSED_ID_MASK)
-        return tuple(range(base, base + count))
-
     def _rewrite_ids(self, req, pending: Pending, results: list[SpanResult]) -> None:
         pads = {start: pad for start, _, pad in pending.spans}
         earlier = rewrites_of(req)
-        spans = [SpanRewrite(r.start, r.end, self.compressed_ids(
+        spans = [SpanRewrite(r.start, r.end, self.naming.ids(
                     pads[r.start], original_position(r.start, earlier), r.kept))
                  for r in results]
         req.unicache_rewrites = [*earlier, rewrite(req, spans)]
-
-    def _shorten(self, req, pending: Pending, removed: int) -> None:
-        """Every length of the request and of its batch, ``removed`` entries shorter (the new
-        batch tensors are built first, so nothing is assigned unless all of them could be)."""
-        batch, i = pending.batch, pending.target.batch_index
-        shorter = {}
-        for name in ("seq_lens", "seq_lens_cpu", "orig_seq_lens"):
-            lens = getattr(batch, name, None)
-            if lens is not None:
-                shorter[name] = lens.clone()
-                shorter[name][i] -= removed
-        for name, lens in shorter.items():
-            setattr(batch, name, lens)
-        if getattr(batch, "seq_lens_sum", None) is not None:
-            batch.seq_lens_sum -= removed
-        req.extend_end -= removed
-        req.kv.kv_committed_len -= removed
-        req.kv.kv_allocated_len -= removed
 
     def _span_metas(self, req, pending: Pending, results: list[SpanResult], plans,
                     selfcheck, keep_ratio: float) -> list[SpanMeta]:
@@ -373,7 +359,7 @@ class Controller:
             metas.append((at, SpanMeta(
                 namespace=namespace(req), pad=pads[result.start], start=start,
                 length=result.end - result.start,
-                ids=self.compressed_ids(pads[result.start], start, result.kept),
+                ids=self.naming.ids(pads[result.start], start, result.kept),
                 kept=torch.stack([lp.kept for lp in layers]).to(torch.int32).cpu(),
                 priority=torch.stack([
                     lp.priority if lp.priority is not None
@@ -387,53 +373,29 @@ class Controller:
             removed_before += result.end - result.start - result.kept
         return metas
 
-    def after_insert(self, req, cache) -> None:
-        """The request's KV is in the tree: index the spans it compressed itself and attach their
-        metadata to the node holding each (unless the tree already held the same span, from a
-        request that compressed the same image first: that one's metadata stays)."""
-        metas, req.unicache_fresh = getattr(req, "unicache_fresh", None), None
-        if not metas:
-            return
-        row = self.req_to_token[req.kv.req_pool_idx]
-        for at, meta in metas:
-            if not torch.equal(row[at:at + meta.count], meta.slots):
-                continue  # deduplicated against the tree's copy of this span
-            meta.slots = None
-            node = cache.node_holding(req.last_node, meta.ids[0])
-            if node is not None:
-                cache.attach(node, meta)
-                self.spans.add(meta)
-
-    def move_entries(self, slots: torch.Tensor, keep: torch.Tensor) -> None:
-        """Within a span's ``slots`` (K), move entries ``keep`` (``[L, H, K']``, per layer and
-        head) to the first K' slots (re-compression, ``radix_cache.py``)."""
-        k_buffers, v_buffers = self._buffers()
-        index = slots.to(torch.int64)
-        head = index[:keep.shape[-1]]
-        for layer, (kb, vb) in enumerate(zip(k_buffers, v_buffers, strict=True)):
-            pick = keep[layer].to(kb.device).t().unsqueeze(-1)  # [K', H, 1]
-            for buf in (kb, vb):
-                entries = buf.index_select(0, index)  # [K, H, D]
-                buf[head] = entries.gather(0, pick.expand(-1, -1, entries.shape[-1]))
-
-    def on_recompressed(self, freed: int) -> None:
-        self.stats.spans_recompressed += 1
-        self.stats.recompress_slots_freed += freed
-
     # -- reuse: match a waiting request against compressed spans in the tree ---------------------
     def match_with_reuse(self, match, req) -> None:
         """Run SGLang's prefix match (``match()``) with the request's known images rewritten to
         their compressed ids; keep the rewrite for the spans the tree fully holds, undo the rest.
 
-        Waiting requests are matched again every round, so this starts from the original ids
-        each time (idempotent) and leaves either a consistent rewrite or the original request.
+        Waiting requests are matched again every round. Which spans to rewrite is decided again
+        only when the span index changed since the request's last decision (``SpanIndex.epoch``:
+        a span added, evicted or re-compressed); otherwise the request keeps the ids that decision
+        left and only SGLang's own match runs, as for any request. A new decision starts from the
+        original ids (idempotent) and leaves either a consistent rewrite or the original request.
         """
+        eligible = not (not self.active or req.kv.holds_kv or req.is_retracted
+                        or full_kv_only(req))
+        if eligible and getattr(req, "unicache_matched", None) == self.spans.epoch:
+            match()
+            return
         self.undo(req)
         if not getattr(req, "retracted_stain", False):
             req.unicache_reused = 0  # SGLang counts cached_tokens at the first prefill only
-        if not self.active or req.kv.holds_kv or req.is_retracted or full_kv_only(req):
+        if not eligible:
             match()  # a retracted request is prefilled again from its own tokens
             return
+        req.unicache_matched = self.spans.epoch
         # SGLang matches at most the prompt's length - 1 (one token must be computed); a span
         # past that cap would be cut in the middle, so it is not rewritten.
         limit = len(req.origin_input_ids) - 1
@@ -465,6 +427,7 @@ class Controller:
         for record in reversed(rewrites_of(req)):
             restore(req, record)
         req.unicache_rewrites = []
+        req.unicache_matched = None
 
     def on_retract(self, req) -> None:
         self.stats.retracted += 1
@@ -475,8 +438,19 @@ class Controller:
         held = self.tree.compressed_slots_held() if self.tree is not None else 0
         return {"compressed_slots_held": held}
 
+    def publish(self) -> None:
+        """Counters and gauges to ``/metrics`` (with ``--enable-metrics``)."""
+        if self.metrics is not None:
+            self.metrics.sync(self.counters(), self.gauges())
+
+    def counters(self) -> dict[str, float]:
+        shrunk = self.tree.recompressed if self.tree is not None else None
+        return {**self.stats.to_dict(),
+                "spans_recompressed": shrunk.spans if shrunk else 0,
+                "recompress_slots_freed": shrunk.slots_freed if shrunk else 0}
+
     def snapshot(self) -> dict:
-        return {**self.stats.to_dict(), **self.gauges(),
+        return {**self.counters(), **self.gauges(),
                 "available_slots": int(self.allocator.available_size()),
                 "radix_cache": type(self.tree).__name__ if self.tree is not None else None,
                 "method": self.config.method, "keep_ratio": self.config.keep_ratio,

@@ -1,18 +1,64 @@
-"""The hook functions the plugin installs on SGLang (see ``plugin.register`` for the targets)."""
+"""The hook functions the plugin installs on SGLang, each declaring its own target.
+
+``@hook(target, kind)`` records (target, function, ``HookType`` name) in ``HOOKS``;
+``plugin.register`` checks that every target resolves and registers them all. The process's state
+(the scheduler's controller, the scheduler, the capture of the forward in flight) lives in one
+object, ``STATE``, set by the scheduler hook: in every other process it stays empty and every hook
+passes through.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from sglang_unicache.integration import capture, flags, positions, radix_cache
+from sglang_unicache.integration import flags, positions, radix_cache
+from sglang_unicache.integration.capture import QueryCapture
 from sglang_unicache.integration.controller import Controller
 from sglang_unicache.integration.integrity import check_integrity
 from sglang_unicache.integration.metrics import Metrics
 from sglang_unicache.integration.support import local_hf_config, unsupported_setup
 
 logger = logging.getLogger("sglang_unicache")
+
+
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+_SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch"
+_MEM_CACHE = "sglang.srt.mem_cache.common"
+
+HOOKS: list[tuple[str, Callable, str]] = []
+
+
+def hook(target: str, kind: str) -> Callable[[Callable], Callable]:
+    """Declare ``fn`` as the ``kind`` (AFTER, AROUND) hook of SGLang's dotted ``target``."""
+
+    def declare(fn: Callable) -> Callable:
+        HOOKS.append((target, fn, kind))
+        return fn
+
+    return declare
+
+
+def targets() -> tuple[str, ...]:
+    """Every dotted target the plugin hooks or patches; each must resolve (``compat.py``)."""
+    return (*(target for target, _, _ in HOOKS),
+            "sglang.srt.entrypoints.engine.Engine.server_args_class")
+
+
+@dataclass
+class PluginState:
+    """What the plugin holds in this process. Only a scheduler process with ``--unicache`` has a
+    controller; ``capture`` is set only while an extend batch with targets runs."""
+
+    controller: Controller | None = None
+    scheduler: Any = None
+    capture: QueryCapture | None = None
+
+
+STATE = PluginState()
 
 
 class UniCacheStartupError(SystemExit):
@@ -40,11 +86,13 @@ def _prepare_config(server_args: Any, config: Any) -> Any:
     return config
 
 
+@hook("sglang.srt.server_args.ServerArgs.add_cli_args", "AFTER")
 def after_add_cli_args(result: Any, parser: Any) -> Any:
     flags.add_cli_args(parser)
     return result
 
 
+@hook("sglang.srt.server_args.ServerArgs.from_cli_args", "AROUND")
 def around_from_cli_args(original: Any, cls: Any, args: Any) -> Any:
     server_args = original(cls, args)
     try:
@@ -68,12 +116,8 @@ def make_engine_server_args(**kwargs: Any) -> Any:
     return server_args
 
 
-_controller: Controller | None = None
-_scheduler: Any = None
-
-
+@hook(f"{_SCHEDULER}.__init__", "AFTER")
 def after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-    global _controller, _scheduler
     config = flags.config_of(scheduler.server_args)
     if config is None:
         return result
@@ -85,54 +129,58 @@ def after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any)
         # Only reachable with a hand-built ServerArgs; the flag paths turn overlap off.
         raise flags.UniCacheFlagError("--unicache needs --disable-overlap-schedule")
     allocator = scheduler.token_to_kv_pool_allocator
-    _controller = Controller(config, scheduler.req_to_token_pool.req_to_token,
-                             allocator.get_kvcache(), allocator)
-    if scheduler.server_args.enable_metrics:
-        _controller.metrics = Metrics()
-    scheduler.unicache = _controller
-    _controller.mrope = bool(scheduler.model_config.model_is_mrope)
-    _scheduler = scheduler
-    if isinstance(scheduler.tree_cache, radix_cache.CompressedRadixCache):
-        scheduler.tree_cache.controller = _controller
-        _controller.tree = scheduler.tree_cache
+    tree = scheduler.tree_cache
+    controller = Controller(
+        config, scheduler.req_to_token_pool.req_to_token, allocator.get_kvcache(), allocator,
+        metrics=Metrics() if scheduler.server_args.enable_metrics else None,
+        tree=tree if isinstance(tree, radix_cache.CompressedRadixCache) else None,
+        mrope=bool(scheduler.model_config.model_is_mrope))
+    STATE.controller, STATE.scheduler = controller, scheduler
     logger.info("sglang-unicache: scheduler received config method=%s keep_ratio=%s "
                 "min_image_tokens=%s", config.method, config.keep_ratio, config.min_image_tokens)
     return result
 
 
 def _compress(req: Any) -> None:
-    freed = _controller.stats.slots_freed
-    _controller.on_checkpoint(req)
-    if _controller.stats.slots_freed > freed and _scheduler is not None:
+    controller = STATE.controller
+    freed = controller.stats.slots_freed
+    controller.on_checkpoint(req)
+    if controller.stats.slots_freed > freed:
         # The scheduler marks its running batch full when a waiting request did not fit and
         # clears the mark only when a request leaves; slots freed by compaction count too.
-        _scheduler.running_batch.batch_is_full = False
-    _publish()
+        STATE.scheduler.running_batch.batch_is_full = False
+    controller.publish()
 
 
-def _publish() -> None:
-    if _controller is not None and _controller.metrics is not None:
-        _controller.metrics.sync(_controller.stats, _controller.gauges())
-
-
+@hook(f"{_SCHEDULER}.run_batch", "AROUND")
 def around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    if _controller is None or not batch.forward_mode.is_extend():
+    controller = STATE.controller
+    if controller is None or not batch.forward_mode.is_extend():
         return original(scheduler, batch, *args, **kwargs)
-    active = _controller.begin_forward(batch)
-    capture.set_active(active)
+    STATE.capture = controller.begin_forward(batch)
     start = time.perf_counter()
     try:
         return original(scheduler, batch, *args, **kwargs)
     finally:
-        capture.set_active(None)
-        if active is not None:
-            _controller.stats.prefill_seconds += time.perf_counter() - start
+        if STATE.capture is not None:
+            controller.stats.prefill_seconds += time.perf_counter() - start
+        STATE.capture = None
 
 
+@hook("sglang.srt.layers.attention.base_attn_backend.AttentionBackend.forward", "AROUND")
+def around_attention_forward(original, backend, q, k, v, layer, forward_batch, *args, **kwargs):
+    """Every layer's post-RoPE queries of the extend tokens, for any attention backend
+    (``capture.py``)."""
+    if STATE.capture is not None and forward_batch.forward_mode.is_extend():
+        STATE.capture.record(layer.layer_id, q, layer.head_dim)
+    return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
+
+
+@hook(f"{_MEM_CACHE}.checkpoint_kv_cache", "AROUND")
 def around_checkpoint_kv_cache(original: Any, req: Any, tree_cache: Any, *args: Any,
                                **kwargs: Any) -> Any:
-    if _controller is not None:
-        if _controller.defer_chunk_checkpoint(req):
+    if STATE.controller is not None:
+        if STATE.controller.defer_chunk_checkpoint(req):
             # What checkpoint_kv_cache does besides the tree insert: the next chunk resumes here.
             req.prefix_len = req.extend_end
             return None
@@ -140,36 +188,34 @@ def around_checkpoint_kv_cache(original: Any, req: Any, tree_cache: Any, *args: 
     return original(req, tree_cache, *args, **kwargs)
 
 
-def around_init_next_round_input(original: Any, req: Any, tree_cache: Any = None,
-                                 *args: Any, **kwargs: Any) -> Any:
-    if _controller is None or tree_cache is None:
-        return original(req, tree_cache, *args, **kwargs)
-    _controller.match_with_reuse(lambda: original(req, tree_cache, *args, **kwargs), req)
-    _publish()
-    return None
-
-
-def after_get_image_feature(result: Any, *args: Any, **kwargs: Any) -> Any:
-    if _controller is not None:
-        _controller.stats.vision_encoder_calls += 1
-    return result
-
-
+@hook(f"{_MEM_CACHE}.release_kv_cache", "AROUND")
 def around_release_kv_cache(original: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
     """A request that finished with its prefill (e.g. max_tokens=1) is compressed before its KV
     enters the tree, like one that goes on decoding."""
-    if _controller is None:
-        return original(req, *args, **kwargs)
-    _compress(req)
+    if STATE.controller is not None:
+        _compress(req)
     return original(req, *args, **kwargs)
 
 
+@hook(f"{_SCHEDULE_BATCH}.Req.init_next_round_input", "AROUND")
+def around_init_next_round_input(original: Any, req: Any, tree_cache: Any = None,
+                                 *args: Any, **kwargs: Any) -> Any:
+    if STATE.controller is None or tree_cache is None:
+        return original(req, tree_cache, *args, **kwargs)
+    STATE.controller.match_with_reuse(lambda: original(req, tree_cache, *args, **kwargs), req)
+    STATE.controller.publish()
+    return None
+
+
+@hook(f"{_SCHEDULE_BATCH}.Req.reset_for_retract", "AFTER")
 def after_reset_for_retract(result: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-    if _controller is not None:
-        _controller.on_retract(req)
+    if STATE.controller is not None:
+        STATE.controller.on_retract(req)
     return result
 
 
+@hook("sglang.srt.managers.scheduler_components.output_streamer._GenerationStreamAccumulator."
+      "accept", "AROUND")
 def around_stream_accept(original: Any, accumulator: Any, *args: Any, req: Any,
                          **kwargs: Any) -> Any:
     """Usage reports the prompt as the user sent it, not the compacted row: prompt tokens with
@@ -182,23 +228,24 @@ def around_stream_accept(original: Any, accumulator: Any, *args: Any, req: Any,
     return result
 
 
+@hook("sglang.srt.managers.scheduler_components.internal_state."
+      "SchedulerInternalStateController.get_internal_state", "AFTER")
 def after_get_internal_state(result: Any, state_controller: Any, *args: Any, **kwargs: Any) -> Any:
     """``/server_info`` shows the allocator's free slots (also without --unicache) and our stats."""
     allocator = state_controller.scheduler.token_to_kv_pool_allocator
     result.internal_state["kv_available_slots"] = int(allocator.available_size())
-    if _controller is not None:
+    if STATE.controller is not None:
         result.internal_state["unicache"] = {
-            **_controller.snapshot(),
-            "integrity": check_integrity(state_controller.scheduler, _controller)}
+            **STATE.controller.snapshot(),
+            "integrity": check_integrity(state_controller.scheduler)}
     return result
 
 
+@hook("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", "AFTER")
 def after_forward_batch_init(result: Any, *args: Any, **kwargs: Any) -> Any:
     """``ForwardBatch.init_new``: 1-D RoPE models get each request's position offset."""
-    if _controller is not None and _controller.active and not _controller.mrope:
+    controller = STATE.controller
+    if controller is not None and controller.active and not controller.mrope:
         batch = kwargs.get("batch") or next(a for a in args if hasattr(a, "reqs"))
         positions.shift_positions(result, batch.reqs)
     return result
-
-
-around_attention_forward = capture.around_attention_forward

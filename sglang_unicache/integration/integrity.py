@@ -34,15 +34,15 @@ def _duplicates(slots: torch.Tensor) -> int:
     return int(slots.numel() - torch.unique(slots).numel())
 
 
-def check_integrity(scheduler, controller) -> list[str]:
+def check_integrity(scheduler) -> list[str]:
     """The violations found (one line each); never raises (it runs inside ``/server_info``)."""
     try:
-        return _check(scheduler, controller)
+        return _check(scheduler)
     except Exception as exc:  # a bug here must not take the scheduler down
         return [f"check_integrity failed: {type(exc).__name__}: {exc}"]
 
 
-def _check(scheduler, controller) -> list[str]:
+def _check(scheduler) -> list[str]:
     allocator = scheduler.token_to_kv_pool_allocator
     tree = scheduler.tree_cache
     errors = []
@@ -57,8 +57,9 @@ def _check(scheduler, controller) -> list[str]:
     if both.any():
         errors.append(f"{int(both.sum())} slot(s) both free and in the tree")
     owned = []
+    req_to_token = scheduler.req_to_token_pool.req_to_token
     for req in live_requests(scheduler):
-        row = controller.req_to_token[req.kv.req_pool_idx, :req.kv.kv_allocated_len]
+        row = req_to_token[req.kv.req_pool_idx, :req.kv.kv_allocated_len]
         row = row.to(torch.int64).cpu()
         own = row[~torch.isin(row, held)]
         if torch.isin(own, free).any():
@@ -73,12 +74,12 @@ def _check(scheduler, controller) -> list[str]:
         errors.append(f"{allocator.size - total} slot(s) leaked: free {free.numel()} + tree "
                       f"{held.numel()} + requests {torch.unique(owned).numel()} != pool "
                       f"{allocator.size}")
-    errors += _check_spans(tree, controller)
+    errors += _check_spans(tree)
     return errors
 
 
-def _check_spans(tree, controller) -> list[str]:
-    if not hasattr(tree, "count_held"):  # not the plugin's radix cache (e.g. radix cache off)
+def _check_spans(tree) -> list[str]:
+    if getattr(tree, "settings", None) is None:  # not the plugin's radix cache, or spans off
         return []
     errors, attached = [], set()
     for node in tree.tree_core._node_arena.values():
@@ -96,7 +97,7 @@ def _check_spans(tree, controller) -> list[str]:
     if tree.compressed_slots_held() != tree.count_held():
         errors.append(f"compressed_slots_held {tree.compressed_slots_held()} != the "
                       f"{tree.count_held()} the nodes' spans hold")
-    stale = [m for m in controller.spans.by_image.values() if id(m) not in attached]
+    stale = [m for m in tree.spans.by_image.values() if id(m) not in attached]
     if stale:
         errors.append(f"{len(stale)} indexed span(s) belong to no tree node")
     return errors

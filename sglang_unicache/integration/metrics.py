@@ -2,9 +2,9 @@
 
 SGLang runs prometheus_client in multiprocess mode; metrics created in the scheduler process
 after it set ``PROMETHEUS_MULTIPROC_DIR`` are served by the HTTP server with its own. The
-controller's ``Stats`` stay the single source of truth: ``sync`` turns their growth since the
-last call into counter increments, once per scheduled batch; gauges are set to the value
-the caller read.
+controller's counters (``Controller.counters``) stay the single source of truth: ``sync`` turns
+their growth since the last call into counter increments, once per scheduled batch; gauges are
+set to the value the caller read.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ COUNTERS = {
     "fallbacks": "Requests whose self-check failed at the escalation cap; full KV kept",
     "escalations": "Budget doublings after a failed self-check",
     "errors": "Compressions that raised an error; full KV kept",
+    "images_prefilled": "Image spans computed by a prefill (the vision encoder ran for them)",
     "skipped_cached": "Images left uncompressed because part of them came from the tree",
     "spans_recompressed": "Cached compressed spans shrunk under memory pressure instead of evicted",
     "recompress_slots_freed": "KV slots returned to the allocator by re-compression",
@@ -36,11 +37,11 @@ class Metrics:
                                    multiprocess_mode="livemostrecent")
                        for name, doc in GAUGES.items()}
 
-    def sync(self, stats, gauges: dict[str, float] | None = None) -> None:
+    def sync(self, counters: dict[str, float], gauges: dict[str, float] | None = None) -> None:
         for name, value in (gauges or {}).items():
             self.gauges[name].set(value)
         for name, counter in self.counters.items():
-            value = getattr(stats, name)
+            value = counters[name]
             if value > self.seen[name]:
                 counter.inc(value - self.seen[name])
                 self.seen[name] = value

@@ -6,8 +6,9 @@ automatically with ``--unicache``. It differs from the default cache in three wa
 - It runs the Python tree core (``SpanTreeCore``), whose nodes carry each compressed span's
   metadata (``spans.SpanMeta``) in the Full component's node metadata, and which refuses to split
   a node inside a compressed span (the split would hand a later request part of a selection).
-- After a request's KV enters the tree, the spans the request compressed itself are attached to
-  the node holding them and indexed for later requests (``Controller.after_insert``).
+- It owns every cached span's metadata: after a request's KV enters the tree, the spans the
+  request compressed itself (``req.unicache_fresh``) are attached to the node holding them and
+  indexed by image (``spans``) for later requests; an entry dies with its node.
 - Under memory pressure, a leaf that ends in a compressed span is re-compressed before it is
   evicted: each layer and head keeps its highest-priority entries (protected ones first,
   ``shrink.py``), the node's key and slots shrink in place, the rest of the slots go back to the
@@ -16,6 +17,10 @@ automatically with ``--unicache``. It differs from the default cache in three wa
   before any is halved twice, and one walk goes on until it has freed what it was asked for.
 
 A request using a span locks its node, so a span is never re-compressed under a running request.
+
+The scheduler side (``controller.py``) talks to it through a narrow protocol: it configures it
+once (``enable_spans`` with ``SpanSettings``), looks spans up by image (``spans.of_image``) and
+reads counters (``held``, ``recompressed``); the cache reads nothing of the controller.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from __future__ import annotations
 import heapq
 import logging
 from array import array
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -43,7 +48,8 @@ from sglang.srt.mem_cache.unified_cache.tree_core_registry import (
 from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-from sglang_unicache.integration.spans import SpanMeta
+from sglang_unicache.integration.compaction import move_entries, pool_buffers
+from sglang_unicache.integration.spans import SpanIndex, SpanMeta, SpanNaming
 from sglang_unicache.shrink import shrink_order, shrunk_count
 
 logger = logging.getLogger("sglang_unicache")
@@ -96,14 +102,59 @@ def _tree_core_factory(params, components):
     return SpanTreeCore(params, components)
 
 
+@dataclass(frozen=True)
+class SpanSettings:
+    """What the cache needs to know of the config: span ids, and re-compression under pressure."""
+
+    naming: SpanNaming
+    recompress: bool
+    factor: float
+    floor: float
+
+    @classmethod
+    def of(cls, config) -> SpanSettings:
+        return cls(SpanNaming.of(config), config.recompress, config.recompress_factor,
+                   config.recompress_floor)
+
+
+@dataclass
+class Recompressed:
+    spans: int = 0  # shrinks under memory pressure
+    slots_freed: int = 0
+
+
 class CompressedRadixCache(UnifiedRadixCache):
-    controller = None  # set by the scheduler hook once the controller exists
+    settings: SpanSettings | None = None  # None until ``enable_spans``: a plain radix cache
+    spans: SpanIndex
     held = 0  # slots the attached compressed spans hold (kept as they change: read per round)
+    recompressed: Recompressed
+
+    def enable_spans(self, settings: SpanSettings) -> None:
+        self.settings = settings
+        self.spans = SpanIndex()
+        self.recompressed = Recompressed()
 
     def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:
         super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
-        if self.controller is not None:
-            self.controller.after_insert(req, self)
+        if self.settings is not None:
+            self._attach_fresh(req)
+
+    def _attach_fresh(self, req) -> None:
+        """The request's KV is in the tree: index the spans it compressed itself and attach their
+        metadata to the node holding each (unless the tree already held the same span, from a
+        request that compressed the same image first: that one's metadata stays)."""
+        metas, req.unicache_fresh = getattr(req, "unicache_fresh", None), None
+        if not metas:
+            return
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        for at, meta in metas:
+            if not torch.equal(row[at:at + meta.count], meta.slots):
+                continue  # deduplicated against the tree's copy of this span
+            meta.slots = None
+            node = self.node_holding(req.last_node, meta.ids[0])
+            if node is not None:
+                self.attach(node, meta)
+                self.spans.add(meta)
 
     def node_holding(self, last_node_id, first_id: int):
         """The node on the path from the root to node ``last_node_id`` whose key holds
@@ -138,14 +189,14 @@ class CompressedRadixCache(UnifiedRadixCache):
     def reset(self) -> None:
         super().reset()
         self.held = 0
-        if self.controller is not None:
-            self.controller.spans.clear()
+        if self.settings is not None:
+            self.spans.clear()
 
     def _evict_device_leaf(self, node_id, tracker):
-        if self.controller is None:
+        if self.settings is None:
             return super()._evict_device_leaf(node_id, tracker)
         node = self.tree_core.node_by_id(node_id)
-        if self.controller.config.recompress:
+        if self.settings.recompress:
             freed = self._shrink_leaf(node)
             if freed:
                 tracker[FULL] = tracker.get(FULL, 0) + freed
@@ -155,7 +206,7 @@ class CompressedRadixCache(UnifiedRadixCache):
         result = super()._evict_device_leaf(node_id, tracker)
         for meta in spans:  # span metadata dies with its node
             self.held -= meta.count
-            self.controller.spans.discard(meta)
+            self.spans.discard(meta)
         return result
 
     def _requeue(self, node) -> None:
@@ -182,12 +233,12 @@ class CompressedRadixCache(UnifiedRadixCache):
         if not found or cd.value is None or node.backuped or node.key.is_bigram:
             return 0
         at, meta = found[-1]
-        cfg = self.controller.config
-        k_new = shrunk_count(meta.count, meta.length, cfg.recompress_factor,
-                             cfg.recompress_floor, meta.protected_entries())
+        settings = self.settings
+        k_new = shrunk_count(meta.count, meta.length, settings.factor, settings.floor,
+                             meta.protected_entries())
         if k_new >= meta.count:
             return 0
-        new_ids = self.controller.compressed_ids(meta.pad, meta.start, k_new)
+        new_ids = settings.naming.ids(meta.pad, meta.start, k_new)
         if at == 0:
             sibling = node.parent.children.get(
                 RadixKey(array("q", new_ids[:1]), node.key.extra_key,
@@ -200,7 +251,7 @@ class CompressedRadixCache(UnifiedRadixCache):
         keep = shrink_order(meta.priority, k_new)
         value = cd.value
         slots = value[at:at + meta.count]
-        self.controller.move_entries(slots, keep)
+        move_entries(*pool_buffers(self.token_to_kv_pool_allocator.get_kvcache()), slots, keep)
         freed = torch.cat([slots[k_new:], value[at + meta.count:]])
 
         old_first, old_count = meta.ids[0], meta.count
@@ -215,11 +266,13 @@ class CompressedRadixCache(UnifiedRadixCache):
         spans = spans_of(node)
         spans.pop(old_first)
         spans[meta.ids[0]] = meta
+        self.spans.changed()
         node.hash_value = None
         self.tree_core.component_evictable_size_[FULL] -= freed.numel()
         self.held -= old_count - k_new
         self.token_to_kv_pool_allocator.free(freed)
-        self.controller.on_recompressed(freed.numel())
+        self.recompressed.spans += 1
+        self.recompressed.slots_freed += freed.numel()
         logger.debug("sglang-unicache: re-compressed span %d -> %d entries under pressure",
                      old_count, k_new)
         return freed.numel()

@@ -1,7 +1,8 @@
-"""Rewriting a request's token ids so compressed image spans key the radix tree.
+"""Rewriting a request's token ids so compressed image spans key the radix tree, and the one
+place a request's and its batch's ids, offsets, M-RoPE data and lengths change.
 
 A compressed span of N image tokens kept as K entries becomes K token ids derived from the image
-(its pad id), its position and the policy config (``Controller.compressed_ids``): one id per
+(its pad id), its position and the policy config (``spans.SpanNaming``): one id per
 slot, so the radix invariant "one KV slot per key token" holds and a later request with the same
 image and the same config can match the span. Everything that describes the prompt moves with
 the ids: the multimodal items' offsets (so a fully cached image is not encoded again), the
@@ -115,3 +116,22 @@ def original_position(position: int, records: list[Rewrite]) -> int:
                 shift += span.removed
         position += shift
     return position
+
+
+def shorten(req, batch, index: int, removed: int) -> None:
+    """Every length of the request (batch entry ``index``) and of its batch, ``removed`` entries
+    shorter (compaction; the new batch tensors are built first, so nothing is assigned unless
+    all of them could be)."""
+    shorter = {}
+    for name in ("seq_lens", "seq_lens_cpu", "orig_seq_lens"):
+        lens = getattr(batch, name, None)
+        if lens is not None:
+            shorter[name] = lens.clone()
+            shorter[name][index] -= removed
+    for name, lens in shorter.items():
+        setattr(batch, name, lens)
+    if getattr(batch, "seq_lens_sum", None) is not None:
+        batch.seq_lens_sum -= removed
+    req.extend_end -= removed
+    req.kv.kv_committed_len -= removed
+    req.kv.kv_allocated_len -= removed

@@ -1,7 +1,8 @@
-"""What the radix cache knows about each cached compressed span (issue 5).
+"""What the radix cache knows about each cached compressed span, and the one place span ids are
+derived.
 
 A compressed span is keyed in the tree by K token ids derived from the image, its position, the
-config and K itself (``Controller.compressed_ids``), so spans of different budgets never share an
+config and K itself (``SpanNaming.ids``), so spans of different budgets never share an
 id and the radix tree never splits one (its first id is unique, and no other key contains a
 prefix of it). ``SpanMeta`` is the span's node metadata: original length, the source position
 each entry holds per layer and KV head, merge groups, alignment-protected positions, method,
@@ -12,12 +13,41 @@ it from an image (for match-time rewrites).
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 
 import torch
 
 Namespace = tuple[object, object]  # (extra_key, cache_salt): the tree's namespace
 ImageKey = tuple[Namespace, int, int, int]  # (namespace, image pad id, span start, span length)
+
+# Compressed span ids live where SGLang's image pad ids do: above every vocabulary
+# (MM_PAD_SHIFT_VALUE), with 62 hash bits, so two different spans never start with the same id
+# (the radix tree tells children apart by their first token).
+COMPRESSED_ID_BASE = 1_000_000
+COMPRESSED_ID_MASK = (1 << 62) - (1 << 24)  # room for 2**24 consecutive ids, below 2**63
+
+
+@dataclass(frozen=True)
+class SpanNaming:
+    """Token ids of compressed spans under one config (``digest``: a hash of the config)."""
+
+    digest: str
+
+    @classmethod
+    def of(cls, config) -> SpanNaming:
+        text = json.dumps(config.to_dict(), sort_keys=True, default=str)
+        return cls(hashlib.sha256(text.encode()).hexdigest()[:16])
+
+    def ids(self, pad: int, start: int, count: int) -> tuple[int, ...]:
+        """One id per kept entry, the same for the same image at the same position under the
+        same config and budget, so the radix tree can share the span; a different budget (e.g.
+        after re-compression) gives ids that share no prefix."""
+        key = f"{pad}:{start}:{self.digest}:{count}".encode()
+        digest = int.from_bytes(hashlib.sha256(key).digest()[:8], "big")
+        base = COMPRESSED_ID_BASE + (digest & COMPRESSED_ID_MASK)
+        return tuple(range(base, base + count))
 
 
 @dataclass
@@ -76,16 +106,24 @@ class SpanIndex:
     drops it when it evicts the node or is flushed (``radix_cache.py``)."""
 
     by_image: dict[ImageKey, SpanMeta] = field(default_factory=dict)
+    epoch: int = 0  # bumped on every change, ids included: a waiting request's match is stale
 
     def add(self, meta: SpanMeta) -> None:
         self.by_image[meta.image_key] = meta
+        self.epoch += 1
 
     def discard(self, meta: SpanMeta) -> None:
         if self.by_image.get(meta.image_key) is meta:
             del self.by_image[meta.image_key]
+            self.epoch += 1
+
+    def changed(self) -> None:
+        """A span's ids changed in place (re-compression)."""
+        self.epoch += 1
 
     def clear(self) -> None:
         self.by_image.clear()
+        self.epoch += 1
 
     def of_image(self, key: ImageKey) -> SpanMeta | None:
         return self.by_image.get(key)

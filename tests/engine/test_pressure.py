@@ -48,7 +48,7 @@ def test_pressure_recompresses_the_oldest_span_which_stays_reusable(small_pool):
     again = chat(small_pool, image_chat(first, "describe it", max_tokens=2))
     after = stats(small_pool)
     assert after["spans_reused"] == state["spans_reused"] + 1
-    assert after["vision_encoder_calls"] == state["vision_encoder_calls"], "image encoded again"
+    assert after["images_prefilled"] == state["images_prefilled"], "image encoded again"
     # The scheduler took fewer than KEPT entries from the tree (its log counts the compacted
     # row); usage counts the whole image as cached, as the user sent it.
     in_tree = [int(n) for n in re.findall(r"#cached-token: (\d+)", small_pool.log()[offset:])]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_unicache.integration import compat
+from sglang_unicache.integration import compat, hooks
 
 
 def test_installed_version_is_the_pinned_one():
-    compat.check_compatible()  # the test environment installs exactly sglang==0.5.23
+    compat.check_compatible(hooks.targets())  # the test environment installs exactly sglang==0.5.23
 
 
 def test_version_mismatch_names_the_expected_version(monkeypatch):
@@ -24,10 +24,18 @@ def test_version_mismatch_names_the_expected_version(monkeypatch):
 def test_missing_target_is_named():
     target = "sglang.srt.managers.scheduler.Scheduler.no_such_method"
     with pytest.raises(SystemExit) as info:
-        compat.check_compatible(compat.HOOKED_TARGETS + (target,))
+        compat.check_compatible((*hooks.targets(), target))
     assert str(info.value.code).endswith(f"lacks the hooked target {target}")
 
 
 def test_not_swallowed_by_sglang_plugin_loader():
     # load_plugins() logs and continues on Exception; a SystemExit stops the process.
     assert not issubclass(compat.IncompatibleSGLang, Exception)
+
+
+def test_every_hook_function_declares_its_target():
+    declared = {fn.__name__ for _, fn, _ in hooks.HOOKS}
+    defined = {name for name in vars(hooks) if name.startswith(("after_", "around_"))}
+    assert declared == defined
+    assert len({target for target, _, _ in hooks.HOOKS}) == len(hooks.HOOKS)
+    assert {kind for _, _, kind in hooks.HOOKS} <= {"AFTER", "AROUND"}

@@ -16,6 +16,7 @@ from tests.unit.test_radix_cache import cache, make_span  # noqa: E402, F401
 
 def scheduler_of(tree, reqs=()):
     return SimpleNamespace(token_to_kv_pool_allocator=tree.token_to_kv_pool_allocator,
+                           req_to_token_pool=tree.req_to_token_pool,
                            tree_cache=tree, running_batch=SimpleNamespace(reqs=list(reqs)),
                            waiting_queue=[], chunked_req=None)
 
@@ -27,24 +28,23 @@ def request(row: int, length: int):
 
 def test_a_consistent_pool_passes(cache):  # noqa: F811
     make_span(cache)
-    assert check_integrity(scheduler_of(cache), cache.controller) == []
+    assert check_integrity(scheduler_of(cache)) == []
 
 
 def test_a_leaked_slot_is_found(cache):  # noqa: F811
     make_span(cache)
     cache.token_to_kv_pool_allocator.alloc(3)  # taken, but nobody holds it
-    assert any("3 slot(s) leaked" in e for e in check_integrity(scheduler_of(cache),
-                                                                  cache.controller))
+    assert any("3 slot(s) leaked" in e for e in check_integrity(scheduler_of(cache)))
 
 
 def test_a_request_row_counts_and_a_double_free_is_found(cache):  # noqa: F811
     allocator = cache.token_to_kv_pool_allocator
     make_span(cache)
     slots = allocator.alloc(4)
-    cache.controller.req_to_token[1, :4] = slots.to(torch.int32)
-    assert check_integrity(scheduler_of(cache, [request(1, 4)]), cache.controller) == []
+    cache.req_to_token_pool.req_to_token[1, :4] = slots.to(torch.int32)
+    assert check_integrity(scheduler_of(cache, [request(1, 4)])) == []
     allocator.free(slots[:2])  # freed while the request still holds them
-    errors = check_integrity(scheduler_of(cache, [request(1, 4)]), cache.controller)
+    errors = check_integrity(scheduler_of(cache, [request(1, 4)]))
     assert any("request r1 holds 2 free slot(s)" in e for e in errors)
 
 
@@ -52,6 +52,6 @@ def test_span_metadata_without_a_node_is_found(cache):  # noqa: F811
     meta, _ = make_span(cache)
     for node in cache.tree_core._node_arena.values():
         spans_of(node).pop(meta.ids[0], None)  # detached, still indexed
-    errors = check_integrity(scheduler_of(cache), cache.controller)
+    errors = check_integrity(scheduler_of(cache))
     assert errors == ["compressed_slots_held 8 != the 0 the nodes' spans hold",
                       "1 indexed span(s) belong to no tree node"]

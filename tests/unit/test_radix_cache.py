@@ -4,6 +4,7 @@ compressed-span metadata on tree nodes, no split inside a span, re-compression u
 from __future__ import annotations
 
 from array import array
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +24,6 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType  # n
 
 from sglang_unicache.config import UniCacheConfig  # noqa: E402
 from sglang_unicache.integration import radix_cache  # noqa: E402
-from sglang_unicache.integration.controller import Controller  # noqa: E402
 from sglang_unicache.integration.spans import SpanMeta  # noqa: E402
 
 LAYERS, HEADS, DIM, POOL = 2, 2, 4, 64
@@ -44,7 +44,8 @@ def cache():
     tree = radix_cache.CompressedRadixCache(params)
     config = UniCacheConfig(method="knorm", keep_ratio=0.25, recompress_factor=0.5,
                             recompress_floor=0.02)
-    tree.controller = Controller(config, torch.zeros(2, POOL, dtype=torch.int32), pool, allocator)
+    tree.req_to_token_pool = SimpleNamespace(req_to_token=torch.zeros(2, POOL, dtype=torch.int32))
+    tree.enable_spans(radix_cache.SpanSettings.of(config))
     return tree
 
 
@@ -61,7 +62,7 @@ def make_span(tree) -> tuple[SpanMeta, torch.Tensor]:
     allocator = tree.token_to_kv_pool_allocator
     slots = allocator.alloc(len(PREFIX) + K + len(TAIL))
     fill(allocator.get_kvcache(), slots)
-    ids = tree.controller.compressed_ids(PAD, START, K)
+    ids = tree.settings.naming.ids(PAD, START, K)
     priority = torch.rand(LAYERS, HEADS, K, generator=torch.Generator().manual_seed(0))
     kept = torch.arange(K).repeat(LAYERS, HEADS, 1) * 4
     kept[..., 5] = PROTECTED_SOURCE
@@ -74,7 +75,7 @@ def make_span(tree) -> tuple[SpanMeta, torch.Tensor]:
     tree.insert(InsertParams(key=key, value=slots.to(torch.int64)))
     node_id = tree.match_prefix(MatchPrefixParams(key=key)).last_device_node
     tree.attach(tree.node_holding(node_id, ids[0]), meta)
-    tree.controller.spans.add(meta)
+    tree.spans.add(meta)
     return meta, slots
 
 
@@ -125,9 +126,9 @@ def test_pressure_recompresses_a_cached_span_before_evicting_it(cache):
     assert meta.count == 4 and meta.recompressions == 1
     assert allocator.available_size() == baseline - len(PREFIX) - 4
     assert matched(cache, meta.ids) == len(PREFIX) + 4  # the new ids key the shrunk span
-    assert matched(cache, cache.controller.compressed_ids(PAD, START, K)) == len(PREFIX)
-    assert cache.controller.spans.of_image(meta.image_key) is meta
-    assert cache.controller.stats.spans_recompressed == 1
+    assert matched(cache, cache.settings.naming.ids(PAD, START, K)) == len(PREFIX)
+    assert cache.spans.of_image(meta.image_key) is meta
+    assert cache.recompressed.spans == 1
     assert (meta.kept == PROTECTED_SOURCE).any(-1).all()  # protected entry kept everywhere
     # Every layer and head holds its 4 highest-priority entries, in their original order.
     for layer in range(LAYERS):
@@ -144,7 +145,7 @@ def test_pressure_recompresses_a_cached_span_before_evicting_it(cache):
     cache.evict(EvictParams(num_tokens=1))  # a span at its floor is evicted whole
     assert matched(cache, meta.ids) == len(PREFIX)  # (matching split the prefix off earlier)
     assert cache.compressed_slots_held() == 0
-    assert cache.controller.spans.of_image(meta.image_key) is None  # metadata died with it
+    assert cache.spans.of_image(meta.image_key) is None  # metadata died with it
     cache.evict(EvictParams(num_tokens=POOL))
     assert allocator.available_size() == baseline  # nothing leaked
     cache.sanity_check()
@@ -156,7 +157,7 @@ def test_recompression_onto_a_sibling_with_the_same_key_evicts_instead(cache):
     allocator = cache.token_to_kv_pool_allocator
     baseline = allocator.available_size()
     meta, _ = make_span(cache)  # K = 8 under PREFIX, the least recently used leaf
-    small_ids = cache.controller.compressed_ids(PAD, START, K // 2)
+    small_ids = cache.settings.naming.ids(PAD, START, K // 2)
     key = RadixKey(array("q", PREFIX + list(small_ids) + TAIL))
     slots = allocator.alloc(len(key))
     cache.insert(InsertParams(key=key, value=slots.to(torch.int64)))
@@ -176,9 +177,9 @@ def test_recompression_onto_a_sibling_with_the_same_key_evicts_instead(cache):
 
 def test_a_flush_forgets_every_span(cache):
     meta, _ = make_span(cache)
-    assert cache.controller.spans.of_image(meta.image_key) is meta
+    assert cache.spans.of_image(meta.image_key) is meta
     cache.reset()
-    assert len(cache.controller.spans) == 0 and cache.compressed_slots_held() == 0
+    assert len(cache.spans) == 0 and cache.compressed_slots_held() == 0
 
 
 def test_one_eviction_call_shrinks_and_then_evicts_as_far_as_it_was_asked(cache):
@@ -198,7 +199,7 @@ def test_a_shrunk_span_goes_to_the_back_of_the_eviction_order(cache):
     """A shrink counts as a touch: the next shrink takes another span (fair re-compression)."""
     first, _ = make_span(cache)
     allocator = cache.token_to_kv_pool_allocator
-    other_ids = cache.controller.compressed_ids(PAD + 1, START, K)
+    other_ids = cache.settings.naming.ids(PAD + 1, START, K)
     second = SpanMeta(namespace=(None, None), pad=PAD + 1, start=START, length=LENGTH,
                       ids=other_ids, kept=first.kept.clone(), priority=first.priority.clone(),
                       protected=first.protected, merged=None, method="knorm", keep_ratio=0.25)
