@@ -1,5 +1,8 @@
 """An offline ``sglang.Engine`` batch with images, compression on through keyword arguments.
 
+Starts its own engine in this process (no server needed), answers one question per image, and
+prints what the plugin did, from the engine's internal state (what ``/server_info`` shows):
+
     python examples/offline_batch.py --model CHECKPOINT --images a.png b.png
 """
 
@@ -26,6 +29,19 @@ def run(engine, model: str, images: list[str], max_new_tokens: int = 8) -> list[
                            sampling_params={"max_new_tokens": max_new_tokens, "temperature": 0})
 
 
+def unicache_stats(engine) -> dict:
+    """The plugin's counters of the engine's scheduler (``/server_info``'s ``unicache``)."""
+    return engine.get_server_info()["internal_states"][0]["unicache"]
+
+
+def summary(stats: dict) -> str:
+    return (f"compressed {stats['images_compressed']} image(s) at keep {stats['keep_ratio']} "
+            f"({stats['method']}), {stats['slots_freed']} KV slots freed, "
+            f"{stats['compressed_slots_held']} held by compressed images; self-check: "
+            f"{stats['escalations']} escalation(s), {stats['fallbacks']} image request(s) kept "
+            "full KV")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -37,6 +53,7 @@ def main() -> None:
     try:
         for path, out in zip(args.images, run(engine, args.model, args.images), strict=True):
             print(f"{path}: {out['text']!r}")
+        print(summary(unicache_stats(engine)))
     finally:
         engine.shutdown()
 

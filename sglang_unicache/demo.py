@@ -99,6 +99,11 @@ def report(full: dict, compressed: dict, keep: str, image_tokens: int) -> None:
               f"{mark(a)} {mark(b)}")
     n = len(full["rows"])
     stats = compressed["stats"]
+    cfg = stats["config"]
+    print(f"\neffective config (with --unicache): method {cfg['method']}, keep_ratio "
+          f"{cfg['keep_ratio']}, self-check {cfg['selfcheck_statistic']} <= "
+          f"{cfg['selfcheck_threshold']} (on: {cfg['selfcheck']}), escalating up to keep "
+          f"{cfg['escalate_max_keep']}; every key: docs/configuration.md")
     images = len({r["image"] for r in full["rows"]})
     done = stats["images_compressed"]
     per_image = stats["compressed_slots_held"] / max(done, 1)

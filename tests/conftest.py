@@ -1,7 +1,9 @@
 """Shared fixtures: the tiny checkpoint, one CPU server per configuration, one offline Engine.
 
-Servers are session-scoped (a start costs ~20-30 s here), bound to 127.0.0.1 on a free port, and
-stopped by PID. Their logs stay in ``runs/test-logs/`` (override with UNICACHE_TEST_LOGS).
+Servers are session-scoped (a start costs ~20-30 s here), bound to 127.0.0.1 on a free port
+(retried on another if it was taken meanwhile), and stopped by PID. Their logs stay in
+``runs/test-logs/`` (override with UNICACHE_TEST_LOGS); UNICACHE_SERVER_START_TIMEOUT bounds a
+start (default 300 s) and UNICACHE_TEST_MAX_SERVERS how many run at once (default 3).
 """
 
 from __future__ import annotations
@@ -19,6 +21,17 @@ LOG_DIR = Path(os.environ.get("UNICACHE_TEST_LOGS", Path(__file__).parent.parent
                               "test-logs"))
 
 
+ENGINE_TESTS = Path(__file__).parent / "engine"
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Every test under tests/engine/ starts servers: ``pytest -m "not engine"`` is the fast
+    suite (policy and unit tests, about a minute)."""
+    for item in items:
+        if ENGINE_TESTS in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.engine)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A deterministic random Qwen2-VL (64 visual tokens per 224 px image)."""
@@ -28,7 +41,9 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_qwen2_vl(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl")
 
 
-MAX_LIVE_SERVERS = 3  # each costs ~2.4 GB of RAM (launcher, scheduler, detokenizer)
+# Each server costs ~2.4 GB of RAM (launcher, scheduler, detokenizer): 3 and the offline engine
+# leave ~14 GB of 24 free. UNICACHE_TEST_MAX_SERVERS lowers it on a smaller or busier machine.
+MAX_LIVE_SERVERS = int(os.environ.get("UNICACHE_TEST_MAX_SERVERS", "3"))
 
 
 @pytest.fixture(scope="session")

@@ -454,4 +454,5 @@ class Controller:
                 "available_slots": int(self.allocator.available_size()),
                 "radix_cache": type(self.tree).__name__ if self.tree is not None else None,
                 "method": self.config.method, "keep_ratio": self.config.keep_ratio,
+                "config": self.config.to_dict(),
                 "recent_checks": list(self.recent_checks)}

@@ -1,7 +1,12 @@
 """Start and stop a real SGLang server process for tests, demos and benchmarks.
 
 Binds 127.0.0.1 on a free port, waits for readiness with a bounded timeout, keeps the log in a
-file, and stops the whole process tree by PID.
+file, and stops the whole process tree by PID. The port is picked before the server binds it (a
+minute later on a loaded machine), so another process can take it first: a server that exits
+with "address already in use" is started again on another port. A server that exits is noticed
+at once (its log tail is raised), not after the timeout.
+
+``UNICACHE_SERVER_START_TIMEOUT`` (seconds, default 300) bounds each start.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,7 +56,7 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_ready(self, timeout: float = 180.0) -> None:
+    def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -80,18 +86,46 @@ class Server:
             pass
 
 
-def start_server(model_path: str | Path, args: list[str], log_path: str | Path, *,
-                 env: dict[str, str] | None = None, timeout: float = 300.0) -> Server:
-    """Launch the server in its own process group and wait until it answers ``/health`` (one that
-    does not within ``timeout`` seconds is stopped; 300 s leaves room for a loaded machine)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
-           "--host", "127.0.0.1", "--port", str(port), *args]
+PORT_TAKEN = "address already in use"
+START_ATTEMPTS = 3
+
+
+class PortTaken(RuntimeError):
+    pass
+
+
+def start_timeout() -> float:
+    return float(os.environ.get("UNICACHE_SERVER_START_TIMEOUT", "300"))
+
+
+def launch(command: Callable[[int], list[str]], log_path: str | Path, *,
+           env: dict[str, str] | None = None, timeout: float | None = None,
+           args: Sequence[str] = ()) -> Server:
+    """Run ``command(port)`` in its own process group until it answers ``/health``; again on a
+    new port when the one picked was taken meanwhile (up to ``START_ATTEMPTS`` times)."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                   env=cpu_env(env), start_new_session=True)
-    server = Server(process=process, port=port, log_path=log_path, args=args)
-    server.wait_ready(timeout)
-    return server
+    for attempt in range(1, START_ATTEMPTS + 1):
+        port = free_port()
+        with open(log_path, "w") as log:
+            process = subprocess.Popen(command(port), stdout=log, stderr=subprocess.STDOUT,
+                                       env=cpu_env(env), start_new_session=True)
+        server = Server(process=process, port=port, log_path=log_path, args=list(args))
+        try:
+            server.wait_ready(start_timeout() if timeout is None else timeout)
+            return server
+        except RuntimeError:
+            if PORT_TAKEN not in server.log().lower() or attempt == START_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
+
+
+def start_server(model_path: str | Path, args: list[str], log_path: str | Path, *,
+                 env: dict[str, str] | None = None, timeout: float | None = None) -> Server:
+    """An SGLang server for ``model_path`` with ``args`` (see ``launch``)."""
+
+    def command(port: int) -> list[str]:
+        return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
+                "--host", "127.0.0.1", "--port", str(port), *args]
+
+    return launch(command, log_path, env=env, timeout=timeout, args=args)

@@ -24,6 +24,8 @@ def test_demo_reports_savings_and_reuse(tmp_path):
     assert int(slots.group(1)) < int(slots.group(2))
     reused = re.search(r"compressed spans reused by later turns: (\d+)", out)
     assert reused and int(reused.group(1)) >= 2, out[-2000:]
+    assert "effective config (with --unicache): method unicache, keep_ratio 0.1, self-check kl" \
+        in out, out[-2000:]
     # the shipped defaults, self-check on: both images compressed
     assert "images compressed: 2 of 2" in out, out[-2000:]
     correct = re.search(r"answers correct: (\d+)/(\d+) with --unicache .* vs (\d+)/(\d+) without",

@@ -38,7 +38,7 @@ def test_agent_loop_compresses_every_screenshot_once_and_reuses_the_earlier_ones
         assert entry["compressed_slots_held"] == KEPT * (step + 1), "a screenshot held twice"
     assert log[-1]["cached_tokens"] >= 5 * 64, "usage counts reused screenshots as sent"
     after = internal_state(compressing)["unicache"]
-    assert after["vision_encoder_calls"] - before["vision_encoder_calls"] == 6
+    assert after["images_prefilled"] - before["images_prefilled"] == 6
 
 
 def test_two_new_images_in_one_turn_are_both_compressed(compressing):
@@ -73,5 +73,11 @@ def test_offline_batch_example(engine, tiny_model, tmp_path):
         path = tmp_path / f"{i}.png"
         path.write_bytes(solid_png(colour))
         paths.append(str(path))
+    before = offline_batch.unicache_stats(engine)
     outs = offline_batch.run(engine, str(tiny_model), paths, max_new_tokens=5)
     assert [o["meta_info"]["completion_tokens"] for o in outs] == [5, 5]
+    after = offline_batch.unicache_stats(engine)
+    # It reports what happened: each image compressed or, past the self-check, kept whole.
+    compressed = after["images_compressed"] - before["images_compressed"]
+    assert compressed + after["fallbacks"] - before["fallbacks"] == 2
+    assert f"compressed {after['images_compressed']} image(s)" in offline_batch.summary(after)
