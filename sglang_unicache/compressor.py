@@ -29,7 +29,7 @@ import torch
 
 from .budgets.base import LayerBudget
 from .budgets.modality import modality_keep
-from .checks.fallback import dynamic_keep_ratio
+from .checks.dynamic_rate import dynamic_keep_ratio
 from .checks.selfcheck import self_check
 from .config import UniCacheConfig
 from .policies.alignment import alignment_scores, protected_count
@@ -53,7 +53,7 @@ from .types import (
 
 Tensor = torch.Tensor
 
-__all__ = ["Method", "execute", "plan", "select", "selection_key"]
+__all__ = ["Method", "execute", "selection_key"]
 
 
 def selection_key(
@@ -76,12 +76,6 @@ def selection_key(
     return key + tier.unsqueeze(0)
 
 
-def select(scores: Tensor, k: int, forced: Tensor, n_recent: int = 0, n_anchor: int = 0) -> Tensor:
-    """Top-``k`` span tokens per head by :func:`selection_key`, ``[H, k]`` int64 ascending."""
-    key = selection_key(scores, forced, n_recent, n_anchor)
-    return torch.topk(key, k, dim=1).indices.sort(dim=1).values
-
-
 @dataclass(frozen=True)
 class Method:
     """One named composition. Capabilities (``needs_queries``, ``query_dependent``) are read by
@@ -95,6 +89,9 @@ class Method:
     recent_fraction: float = 0.0
     anchor_fraction: float = 0.0
     protects_alignment: bool = False
+    # SnapKV/PyramidKV keep the observation window itself (the paper's "window tokens are always
+    # kept", as kvpress does): span tokens among the window's positions are never dropped.
+    keeps_window: bool = False
 
     @property
     def needs_queries(self) -> bool:
@@ -200,6 +197,9 @@ class Method:
         forced = torch.zeros(n, dtype=torch.bool, device=dev)
         if ctx.inputs.protected is not None:
             forced |= ctx.inputs.protected[seg.start : seg.end].to(dev)
+        if self.keeps_window and ctx.obs_positions is not None and not skipped:
+            obs = ctx.obs_positions
+            forced[obs[(obs >= seg.start) & (obs < seg.end)] - seg.start] = True
         n_user = int(forced.sum())
         budgets = budgets.clamp_min(n_user)  # recorded protection outranks the budget
         if align_score is not None and cfg.protect_alignment and not skipped:
@@ -219,7 +219,7 @@ class Method:
             s = scores[li][:, seg.start : seg.end]
             n_recent = round(self.recent_fraction * k) if not skipped else 0
             n_anchor = round(self.anchor_fraction * k) if not skipped else 0
-            key = selection_key(s, forced, n_recent, n_anchor)
+            key = selection_key(s, forced, n_recent, n_anchor)  # top k per head, ascending
             kept = torch.topk(key, k, dim=1).indices.sort(dim=1).values
             assign, weight = self.reducer.reduce(ctx, li, seg, kept, s)
             hm = ctx.head_merge(li)
@@ -269,10 +269,3 @@ def byte_report(
         metadata=meta,
         element_bytes=elt,
     )
-
-
-def plan(inputs: ScoreInputs, config: UniCacheConfig | None = None) -> RequestPlan:
-    """Convenience: ``build_method(config).plan(inputs)``."""
-    from .registry import build_method
-
-    return build_method(config or UniCacheConfig()).plan(inputs)

@@ -56,6 +56,7 @@ class MethodSpec:
     recent_fraction: Callable[[UniCacheConfig], float] = lambda c: 0.0
     anchor_fraction: Callable[[UniCacheConfig], float] = lambda c: 0.0
     protects_alignment: Callable[[UniCacheConfig], bool] = lambda c: False
+    keeps_window: bool = False
 
 
 METHODS: dict[str, MethodSpec] = {
@@ -67,8 +68,8 @@ METHODS: dict[str, MethodSpec] = {
         protects_alignment=lambda c: c.protect_alignment,
     ),
     "aircache": MethodSpec("aircache", "aircache", "evict"),
-    "snapkv": MethodSpec("snapkv", "uniform", "evict"),
-    "pyramidkv": MethodSpec("snapkv", "pyramid", "evict"),
+    "snapkv": MethodSpec("snapkv", "uniform", "evict", keeps_window=True),
+    "pyramidkv": MethodSpec("snapkv", "pyramid", "evict", keeps_window=True),
     "h2o": MethodSpec("h2o", "uniform", "evict", recent_fraction=lambda c: c.h2o_recent_fraction),
     "knorm": MethodSpec("knorm", "uniform", "evict"),
     "random": MethodSpec("random", "uniform", "evict"),
@@ -80,7 +81,7 @@ def known_methods() -> list[str]:
     return list(METHODS)
 
 
-def _pick(table: dict, name: str, kind: str):  # noqa: ANN202
+def _pick(table: dict, name: str, kind: str):
     if name not in table:
         raise ValueError(f"unknown unicache {kind} {name!r}; known: {', '.join(table)}")
     return table[name]
@@ -101,4 +102,5 @@ def build_method(config: UniCacheConfig | str) -> Method:
         recent_fraction=spec.recent_fraction(config),
         anchor_fraction=spec.anchor_fraction(config),
         protects_alignment=spec.protects_alignment(config),
+        keeps_window=spec.keeps_window,
     )

@@ -162,6 +162,13 @@ class ScoreInputs:
                 self.obs_positions = torch.arange(t - w, t)
             if self.obs_positions.shape != (w,):
                 raise ValueError(f"obs_positions must be [W={w}]")
+        if self.accumulated_attention is not None:
+            if len(self.accumulated_attention) != len(self.keys):
+                raise ValueError("accumulated_attention needs one tensor per layer")
+            for a in self.accumulated_attention:
+                if tuple(a.shape) != (h, t):
+                    raise ValueError(f"accumulated_attention must be [H={h}, T={t}] per layer "
+                                     f"(KV heads x tokens), got {tuple(a.shape)}")
         if self.protected is not None and self.protected.shape != (t,):
             raise ValueError(f"protected must be a bool tensor [T={t}]")
         if self.scale is None:
@@ -456,7 +463,6 @@ class CompressedKV:
     values: list[Tensor]
     quantized_keys: list[QuantizedTensor] | None = None
     quantized_values: list[QuantizedTensor] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:

@@ -51,7 +51,7 @@ class AirCacheBudget(LayerBudget):
     def __init__(self, floor: float = 0.1) -> None:
         self.floor = floor
 
-    def layer_factors(self, ctx):  # noqa: ANN001, ANN201
+    def layer_factors(self, ctx):
         vis = ctx.is_visual
         if int(vis.sum()) < 3:
             return torch.ones(ctx.num_layers)

@@ -53,7 +53,7 @@ def cap_with_overflow(
     return r_v, r_t
 
 
-def modality_keep(ctx, keep_ratio: float) -> tuple[float, float]:  # noqa: ANN001
+def modality_keep(ctx, keep_ratio: float) -> tuple[float, float]:
     """(visual keep, text keep) for the request; density measured on the mean over layers."""
     cfg = ctx.config
     vis = ctx.is_visual

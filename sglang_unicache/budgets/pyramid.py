@@ -30,5 +30,5 @@ class PyramidBudget(LayerBudget):
     def __init__(self, beta: float = 20.0) -> None:
         self.beta = beta
 
-    def layer_factors(self, ctx):  # noqa: ANN001, ANN201
+    def layer_factors(self, ctx):
         return pyramid_factors(ctx.num_layers, self.beta)

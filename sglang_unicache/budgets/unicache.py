@@ -37,6 +37,6 @@ class UniCacheBudget(LayerBudget):
         self.shallow_rate = shallow_rate
         self.deep_rate = deep_rate
 
-    def layer_factors(self, ctx):  # noqa: ANN001, ANN201
+    def layer_factors(self, ctx):
         keep = 1 - cosine_rates(ctx.num_layers, self.shallow_rate, self.deep_rate)
         return keep / keep.mean()

@@ -10,7 +10,7 @@ from .base import LayerBudget
 class UniformBudget(LayerBudget):
     name = "uniform"
 
-    def layer_factors(self, ctx):  # noqa: ANN001, ANN201
+    def layer_factors(self, ctx):
         return torch.ones(ctx.num_layers)
 
 
@@ -20,8 +20,8 @@ class FullBudget(LayerBudget):
     name = "full"
     keeps_everything = True
 
-    def layer_factors(self, ctx):  # noqa: ANN001, ANN201
+    def layer_factors(self, ctx):
         return torch.ones(ctx.num_layers)
 
-    def allocate(self, ctx, seg, keep):  # noqa: ANN001, ANN201
+    def allocate(self, ctx, seg, keep):
         return torch.full((ctx.num_layers,), seg.length, dtype=torch.long)

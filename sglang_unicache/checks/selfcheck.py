@@ -47,7 +47,7 @@ Tensor = torch.Tensor
 STATISTICS = SELFCHECK_STATISTICS  # the order of layer_stats' output
 
 
-def layer_stats(ctx, layer: int, plans: list[CompressionPlan]) -> Tensor | None:  # noqa: ANN001
+def layer_stats(ctx, layer: int, plans: list[CompressionPlan]) -> Tensor | None:
     """``[len(STATISTICS)]`` statistics of one layer, or None (no valid observation query)."""
     inp = ctx.inputs
     pos = ctx.obs_positions
@@ -114,7 +114,7 @@ def layer_stats(ctx, layer: int, plans: list[CompressionPlan]) -> Tensor | None:
     ])
 
 
-def self_check(ctx, plans: list[CompressionPlan]) -> SelfCheckResult:  # noqa: ANN001
+def self_check(ctx, plans: list[CompressionPlan]) -> SelfCheckResult:
     """Run the §7.1 check over the last ``selfcheck_layers`` layers."""
     cfg = ctx.config
     n = ctx.num_layers

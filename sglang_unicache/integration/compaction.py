@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_unicache.kernels.gather import write_compressed
+from sglang_unicache.kernels.scatter import write_compressed
 from sglang_unicache.types import LayerView
 
 
@@ -35,7 +35,8 @@ class SpanResult:
     values: list[torch.Tensor]
 
     @property
-    def kept(self) -> int:
+    def count(self) -> int:
+        """K: entries kept (one slot each)."""
         return self.keys[0].shape[0]
 
 
@@ -89,7 +90,7 @@ def plan_compaction(row: torch.Tensor, spans: list[SpanResult]) -> Compaction:
     """The row after compaction and the slots it gives back (reads nothing, writes nothing)."""
     keep = torch.ones(row.shape[0], dtype=torch.bool, device=row.device)
     for span in spans:
-        keep[span.start + span.kept:span.end] = False
+        keep[span.start + span.count:span.end] = False
     return Compaction(row=row[keep], freed=row[~keep].to(torch.int64))
 
 
@@ -97,7 +98,7 @@ def backup_spans(row: torch.Tensor, spans: list[SpanResult], k_buffers, v_buffer
     """Per span, per layer copies of the K/V ``write_spans`` will overwrite (its first K slots)."""
     backup = []
     for span in spans:
-        slots = row[span.start:span.start + span.kept].to(torch.int64)
+        slots = row[span.start:span.start + span.count].to(torch.int64)
         backup.append(([k.index_select(0, slots) for k in k_buffers],
                        [v.index_select(0, slots) for v in v_buffers]))
     return backup
@@ -107,7 +108,7 @@ def write_spans(row: torch.Tensor, spans: list[SpanResult], k_buffers, v_buffers
     """Write every span's compressed K/V into its first K slots of ``row`` (the row before
     compaction)."""
     for span in spans:
-        slots = row[span.start:span.start + span.kept].to(torch.int64)
+        slots = row[span.start:span.start + span.count].to(torch.int64)
         write_compressed(k_buffers, v_buffers, slots, span.keys, span.values)
 
 
@@ -115,5 +116,5 @@ def restore_spans(row: torch.Tensor, spans: list[SpanResult], backup, k_buffers,
                   v_buffers) -> None:
     """Undo ``write_spans`` from ``backup_spans``."""
     for span, (keys, values) in zip(spans, backup, strict=True):
-        slots = row[span.start:span.start + span.kept].to(torch.int64)
+        slots = row[span.start:span.start + span.count].to(torch.int64)
         write_compressed(k_buffers, v_buffers, slots, keys, values)

@@ -342,7 +342,7 @@ class Controller:
         pads = {start: pad for start, _, pad in pending.spans}
         earlier = rewrites_of(req)
         spans = [SpanRewrite(r.start, r.end, self.naming.ids(
-                    pads[r.start], original_position(r.start, earlier), r.kept))
+                    pads[r.start], original_position(r.start, earlier), r.count))
                  for r in results]
         req.unicache_rewrites = [*earlier, rewrite(req, spans)]
 
@@ -359,7 +359,7 @@ class Controller:
             metas.append((at, SpanMeta(
                 namespace=namespace(req), pad=pads[result.start], start=start,
                 length=result.end - result.start,
-                ids=self.naming.ids(pads[result.start], start, result.kept),
+                ids=self.naming.ids(pads[result.start], start, result.count),
                 kept=torch.stack([lp.kept for lp in layers]).to(torch.int32).cpu(),
                 priority=torch.stack([
                     lp.priority if lp.priority is not None
@@ -369,8 +369,8 @@ class Controller:
                         if any(lp.merges for lp in layers) else None),
                 method=span_plan.method, keep_ratio=keep_ratio,
                 selfcheck=None if selfcheck is None else selfcheck.to_dict(),
-                slots=row[at:at + result.kept].clone())))
-            removed_before += result.end - result.start - result.kept
+                slots=row[at:at + result.count].clone())))
+            removed_before += result.end - result.start - result.count
         return metas
 
     # -- reuse: match a waiting request against compressed spans in the tree ---------------------

@@ -12,13 +12,10 @@ Bad values stop the launcher with one line naming the flag and the allowed value
 from __future__ import annotations
 
 import argparse
-import logging
 from dataclasses import dataclass
 from typing import Any
 
 from sglang_unicache.config import UniCacheConfig
-
-logger = logging.getLogger(__name__)
 
 ATTR = "_unicache_config"
 

@@ -15,7 +15,7 @@ from .reference import window_colsum as _window_colsum_ref
 __all__ = ["merge_gather", "window_colsum", "window_lse"]
 
 
-def window_colsum(q, k, scale, q_pos, lse, col_mask=None, row_weight=None, chunk=8192):  # noqa: ANN001, ANN201
+def window_colsum(q, k, scale, q_pos, lse, col_mask=None, row_weight=None, chunk=8192):
     if q.is_cuda:
         try:
             from .window_score import window_colsum_triton

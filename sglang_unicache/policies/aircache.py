@@ -27,7 +27,7 @@ import torch
 Tensor = torch.Tensor
 
 
-def elite_window(ctx, layer: int, alpha: float) -> Tensor:  # noqa: ANN001
+def elite_window(ctx, layer: int, alpha: float) -> Tensor:
     """``[H, W]`` bool: observation queries in the elite window of each KV head."""
     is_text = ctx.query_is_text
     h, w = ctx.inputs.num_kv_heads, is_text.numel()
@@ -42,7 +42,7 @@ def elite_window(ctx, layer: int, alpha: float) -> Tensor:  # noqa: ANN001
     return (cand >= alpha * cand.amax(dim=1, keepdim=True)) & is_text
 
 
-def elite_importance(ctx, layer: int) -> Tensor:  # noqa: ANN001
+def elite_importance(ctx, layer: int) -> Tensor:
     """``[H, T]`` visual importance I_v (0 on text columns), cached on the context."""
 
     def fn() -> Tensor:
@@ -66,5 +66,5 @@ class AirCacheScorer:
     needs_queries: bool = True
     query_dependent: bool = True
 
-    def score(self, ctx, layer):  # noqa: ANN001, ANN201
+    def score(self, ctx, layer):
         return elite_importance(ctx, layer)

@@ -26,7 +26,7 @@ import torch
 Tensor = torch.Tensor
 
 
-def alignment_scores(ctx) -> Tensor:  # noqa: ANN001
+def alignment_scores(ctx) -> Tensor:
     """``[T]`` fp32 cross-modal score in [0, 1] (see module docstring); zeros without queries."""
     t = ctx.inputs.num_tokens
     out = torch.zeros(t, device=ctx.inputs.device)
@@ -40,15 +40,6 @@ def alignment_scores(ctx) -> Tensor:  # noqa: ANN001
     text_q = ctx.query_is_text
     out[ctx.obs_positions[text_q]] = share[text_q]
     return out
-
-
-def alignment_mask(ctx) -> Tensor:  # noqa: ANN001
-    """``[T]`` bool alignment tokens (seed §5.3, threshold ``alignment_threshold``)."""
-    return (
-        alignment_scores(ctx) >= ctx.config.alignment_threshold
-        if ctx.has_queries
-        else (torch.zeros(ctx.inputs.num_tokens, dtype=torch.bool, device=ctx.inputs.device))
-    )
 
 
 def protected_count(n_align: int, k: int, n: int, discount: float) -> int:

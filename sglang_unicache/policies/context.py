@@ -72,7 +72,7 @@ class PlanContext:
     def has_queries(self) -> bool:
         return self.inputs.obs_queries is not None
 
-    def cached(self, name: str, layer: int, fn):  # noqa: ANN001
+    def cached(self, name: str, layer: int, fn):
         """Compute ``fn()`` once per (name, layer) for this plan and return the stored value."""
         key = (name, layer)
         if key not in self._cache:

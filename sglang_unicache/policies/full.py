@@ -13,5 +13,5 @@ class FullScorer:
     needs_queries: bool = False
     query_dependent: bool = False
 
-    def score(self, ctx, layer):  # noqa: ANN001, ANN201
+    def score(self, ctx, layer):
         return torch.zeros(ctx.inputs.num_kv_heads, ctx.inputs.num_tokens, device=ctx.inputs.device)

@@ -20,7 +20,7 @@ class H2OScorer:
     needs_queries: bool = False
     query_dependent: bool = True
 
-    def score(self, ctx, layer):  # noqa: ANN001, ANN201
+    def score(self, ctx, layer):
         acc = ctx.inputs.accumulated_attention
         if acc is not None:
             return acc[layer].float()

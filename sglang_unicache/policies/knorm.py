@@ -16,5 +16,5 @@ class KNormScorer:
     needs_queries: bool = False
     query_dependent: bool = False
 
-    def score(self, ctx, layer):  # noqa: ANN001, ANN201
+    def score(self, ctx, layer):
         return -ctx.key_norm(layer)

@@ -18,7 +18,7 @@ class RandomScorer:
     query_dependent: bool = False
     seed: int = 0
 
-    def score(self, ctx, layer):  # noqa: ANN001, ANN201
+    def score(self, ctx, layer):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + layer)
         h, t = ctx.inputs.num_kv_heads, ctx.inputs.num_tokens
         return torch.rand(h, t, generator=g).to(ctx.inputs.device)

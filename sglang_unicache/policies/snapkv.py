@@ -25,7 +25,7 @@ class SnapKVScorer:
     query_dependent: bool = True
     pool_kernel: int = 7
 
-    def score(self, ctx, layer):  # noqa: ANN001, ANN201
+    def score(self, ctx, layer):
         ctx.require_queries(self.name)
         raw = ctx.received(layer)
         return max_pool_tokens(raw, self.pool_kernel) + 1e-3 * raw

@@ -34,7 +34,7 @@ import torch
 from .signals import by_modality_minmax
 
 
-def layer_weights(cfg, layer: int, num_layers: int) -> tuple[float, float, float, float]:  # noqa: ANN001
+def layer_weights(cfg, layer: int, num_layers: int) -> tuple[float, float, float, float]:
     """(w_a, w_c, w_d, w_r) of ``layer`` (seed §4.3 shallow/deep adjustments, by thirds)."""
     wa, wc, wd, wr = cfg.w_attention, cfg.w_cross, cfg.w_redundancy, cfg.w_recency
     if cfg.layer_dependent_weights and num_layers >= 3:
@@ -46,7 +46,7 @@ def layer_weights(cfg, layer: int, num_layers: int) -> tuple[float, float, float
     return wa, wc, wd, wr
 
 
-def cross_modal(ctx, layer: int) -> torch.Tensor:  # noqa: ANN001
+def cross_modal(ctx, layer: int) -> torch.Tensor:
     """``[H, T]`` c_i in [0, 1] (see module docstring)."""
     vis = ctx.is_visual
     c = by_modality_minmax(ctx.received_from_text(layer), vis) * vis.float()
@@ -62,7 +62,7 @@ class UniCacheScorer:
     needs_queries: bool = False
     query_dependent: bool = True
 
-    def score(self, ctx, layer):  # noqa: ANN001, ANN201
+    def score(self, ctx, layer):
         cfg = ctx.config
         vis = ctx.is_visual
         wa, wc, wd, wr = layer_weights(cfg, layer, ctx.num_layers)

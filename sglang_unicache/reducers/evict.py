@@ -14,5 +14,5 @@ class EvictReducer:
     name: str = "evict"
     merges: bool = False  # capability: entries never have more than one member
 
-    def reduce(self, ctx, layer, seg, kept, scores):  # noqa: ANN001, ANN201
+    def reduce(self, ctx, layer, seg, kept, scores):
         return keep_only(kept, seg.length)

@@ -31,7 +31,7 @@ class MergeReducer:
     name: str = "merge"
     merges: bool = True
 
-    def reduce(self, ctx, layer, seg, kept, scores):  # noqa: ANN001, ANN201
+    def reduce(self, ctx, layer, seg, kept, scores):
         cfg = ctx.config
         n = seg.length
         h, k = kept.shape

@@ -46,7 +46,7 @@ def make_inputs(
     )
 
 
-def window_case(seed: int = 0):  # noqa: ANN201
+def window_case(seed: int = 0):
     """Odd-shaped window-statistics case shared by the reference and Triton tests."""
     g = torch.Generator().manual_seed(seed)
     w, h, grp, d, t = 5, 3, 2, 12, 37  # odd shapes

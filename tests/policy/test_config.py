@@ -100,7 +100,7 @@ def test_replace_revalidates() -> None:
         c.replace(keep_ratio=2.0)
 
 
-def test_from_json_and_yaml(tmp_path) -> None:  # noqa: ANN001
+def test_from_json_and_yaml(tmp_path) -> None:
     j = tmp_path / "u.json"
     j.write_text(json.dumps({"method": "aircache", "keep_ratio": 0.2}))
     assert UniCacheConfig.from_file(j).method == "aircache"

@@ -12,7 +12,7 @@ from sglang_unicache.budgets.base import apportion
 from sglang_unicache.budgets.modality import cap_with_overflow, density_rates, mean_pairwise_cosine
 from sglang_unicache.budgets.pyramid import pyramid_factors
 from sglang_unicache.budgets.unicache import cosine_rates
-from sglang_unicache.checks.fallback import complexity, rate_from_complexity
+from sglang_unicache.checks.dynamic_rate import complexity, rate_from_complexity
 from sglang_unicache.config import UniCacheConfig
 from sglang_unicache.policies.alignment import protected_count
 from sglang_unicache.policies.unicache import layer_weights

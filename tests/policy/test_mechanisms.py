@@ -104,7 +104,7 @@ def _bad_scorer_method(cfg: UniCacheConfig) -> Method:
     class Worst:
         name, needs_queries, query_dependent = "worst", True, True
 
-        def score(self, ctx, layer):  # noqa: ANN001, ANN201
+        def score(self, ctx, layer):
             return -ctx.received(layer)
 
     return Method("worst", cfg, Worst(), BUDGETS["uniform"](cfg), REDUCERS["evict"](cfg))

@@ -27,7 +27,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return p @ v.double()
 
 
-def _manual_entries(x: torch.Tensor, assign: torch.Tensor, weight: torch.Tensor, kept, h: int):  # noqa: ANN001
+def _manual_entries(x: torch.Tensor, assign: torch.Tensor, weight: torch.Tensor, kept, h: int):
     """Entries of head h built one by one from the plan's assignment (no vectorisation)."""
     out = []
     for j, src in enumerate(kept[h].tolist()):
@@ -43,7 +43,7 @@ def _manual_entries(x: torch.Tensor, assign: torch.Tensor, weight: torch.Tensor,
 
 
 @pytest.mark.parametrize("method,reducer", [("snapkv", None), ("unicache", "merge")])
-def test_compressed_attention_equals_attention_over_entries(method: str, reducer) -> None:  # noqa: ANN001
+def test_compressed_attention_equals_attention_over_entries(method: str, reducer) -> None:
     inp = make_inputs(layers=2, kv_heads=2, group=1, spans=((0, 50),), tokens=64)
     k = torch.stack(inp.keys)
     v = torch.stack(inp.values)
@@ -74,7 +74,7 @@ def test_compressed_attention_equals_attention_over_entries(method: str, reducer
                 torch.testing.assert_close(out.keys[li][:, h], k[li, kept, h], atol=0, rtol=0)
 
 
-def _naive_colsum(q, k, scale, pos, col_mask, rw):  # noqa: ANN001, ANN202
+def _naive_colsum(q, k, scale, pos, col_mask, rw):
     w, hq, d = q.shape
     t, h, _ = k.shape
     g = hq // h

@@ -29,7 +29,7 @@ def rate_from_complexity(
     return rate_max - t * (rate_max - rate_min)
 
 
-def dynamic_keep_ratio(cfg, n_visual: int, n_text: int, n_align: int) -> tuple[float, float]:  # noqa: ANN001
+def dynamic_keep_ratio(cfg, n_visual: int, n_text: int, n_align: int) -> tuple[float, float]:
     """(keep ratio = 1 - rate, complexity) for a request under ``cfg``."""
     c = complexity(n_visual, n_text, n_align, cfg.complexity_lambda)
     rate = rate_from_complexity(
