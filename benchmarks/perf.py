@@ -48,10 +48,15 @@ def image(i: int) -> bytes:
     return solid_png(((37 * i) % 256, (91 * i) % 256, (53 * i + 7) % 256), size=IMAGE_SIZE)
 
 
-def slot_bytes(model: Path) -> int:
+def slot_bytes(model: Path, element: int = 2) -> int:
+    """Bytes of one KV slot (K and V of every layer): ``element`` bytes per value (2: bf16,
+    1: ``--kv-cache-dtype fp8_*``)."""
     cfg = json.loads((model / "config.json").read_text())
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
-    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2  # bf16 K+V
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * element
+
+
+FP8 = ["--kv-cache-dtype", "fp8_e4m3"]
 
 
 # The README's plain launch: the defaults as a user gets them (self-check and escalation on).
@@ -70,6 +75,10 @@ def memory_per_image(model: Path, config: Path, ratios: list[float], log_dir: Pa
     servers = [("stock", flags_for(None, 1.0, config))]
     servers += [(f"unicache knorm keep {r}", flags_for("knorm", r, config)) for r in ratios]
     servers.append(("--unicache, defaults as shipped", SHIPPED))
+    # fp8 pools stack with compression (issue 16): half the bytes per slot.
+    servers.append(("stock, fp8_e4m3 KV", flags_for(None, 1.0, config) + FP8))
+    servers.append(("unicache knorm keep 0.1, fp8_e4m3 KV", flags_for("knorm", 0.1, config) + FP8))
+    servers.append(("--unicache defaults as shipped, fp8_e4m3 KV", SHIPPED + FP8))
     for name, flags in servers:
         server = start_server(model, flags, log_dir / "mem.log")
         try:
@@ -90,8 +99,9 @@ def memory_per_image(model: Path, config: Path, ratios: list[float], log_dir: Pa
                      "fallbacks": stats.get("fallbacks", 0)})
     stock = rows[0]["image_slots"]
     for row in rows:
-        row["bytes"] = row["image_slots"] * slot_bytes(model)
+        row["bytes"] = row["image_slots"] * slot_bytes(model, 1 if "fp8" in row["server"] else 2)
         row["ratio_vs_stock"] = round(row["image_slots"] / stock, 3)
+        row["bytes_vs_stock_bf16"] = round(row["bytes"] / (stock * slot_bytes(model)), 3)
     return rows
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_unicache.kernels.scatter import write_compressed
+from sglang_unicache.kernels.scatter import as_bytes, write_compressed
 from sglang_unicache.types import LayerView
 
 
@@ -61,12 +61,13 @@ def pool_buffers(kv_pool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 def move_entries(k_buffers, v_buffers, slots: torch.Tensor, keep: torch.Tensor) -> None:
     """Within a span's ``slots`` (K), move entries ``keep`` (``[L, H, K']``, per layer and head)
-    to the first K' slots (re-compression, ``radix_cache.py``)."""
+    to the first K' slots (re-compression, ``radix_cache.py``). Stored values move as they are
+    (bytes, for a float8 pool): nothing is re-quantized."""
     index = slots.to(torch.int64)
     head = index[:keep.shape[-1]]
     for layer, (kb, vb) in enumerate(zip(k_buffers, v_buffers, strict=True)):
         pick = keep[layer].to(kb.device).t().unsqueeze(-1)  # [K', H, 1]
-        for buf in (kb, vb):
+        for buf in (as_bytes(kb), as_bytes(vb)):
             entries = buf.index_select(0, index)  # [K, H, D]
             buf[head] = entries.gather(0, pick.expand(-1, -1, entries.shape[-1]))
 
@@ -74,14 +75,20 @@ def move_entries(k_buffers, v_buffers, slots: torch.Tensor, keep: torch.Tensor) 
 def prompt_kv(k_buffers, v_buffers, row: torch.Tensor) -> tuple[LayerView, LayerView]:
     """The prompt's K and V per layer (``[L, H, D]``, token-major as in the pool), gathered from
     the pool when a layer is read: the policy reads one layer at a time, so a long prompt's K/V
-    is never copied for every layer at once (issue 14, 8c)."""
+    is never copied for every layer at once (issue 14, 8c).
+
+    A float8 pool is read dequantized to bfloat16 (exact: every float8 value is a bfloat16 value),
+    so the policy scores what attention sees and an evicted span is written back bit-exact; only
+    merged entries are rounded to the pool's dtype again. SGLang's per-layer ``k_scale`` /
+    ``v_scale`` (1.0 unless the checkpoint carries them) are not applied: a scalar per layer."""
     index = row.to(torch.int64)
 
     def view(buffers) -> LayerView:
         first = buffers[0]
+        dtype = torch.bfloat16 if first.element_size() == 1 else first.dtype
         return LayerView(len(buffers), (index.numel(), *first.shape[1:]),
-                         lambda layer: buffers[layer].index_select(0, index),
-                         first.dtype, first.device)
+                         lambda layer: buffers[layer].index_select(0, index).to(dtype),
+                         dtype, first.device)
 
     return view(k_buffers), view(v_buffers)
 

@@ -3,7 +3,9 @@
 ``write_compressed`` writes, for every layer, ``keys[l][j]`` (``[H, D]``) into
 ``k_buffers[l][slots[j]]`` and the same for values. CUDA tensors take the Triton kernel
 (``scatter_rows_triton``); other devices take ``scatter_rows_reference``, the oracle the kernel is
-tested against under ``TRITON_INTERPRET=1``. Both cast to the pool's dtype with torch.
+tested against under ``TRITON_INTERPRET=1``. Both cast to the pool's dtype with torch. One-byte
+pools (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``) are copied as bytes: CPU torch has no
+indexed copy for float8, and a copy kernel needs none.
 """
 
 from __future__ import annotations
@@ -11,9 +13,14 @@ from __future__ import annotations
 import torch
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor seen as uint8 (same storage); any other tensor as it is."""
+    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
+
+
 def scatter_rows_reference(dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
     """``dst[slots[j]] = src[j]`` for ``dst [S, H, D]``, ``slots [K]`` int64, ``src [K, H, D]``."""
-    dst.index_copy_(0, slots, src.to(dst.dtype))
+    as_bytes(dst).index_copy_(0, slots, as_bytes(src.to(dst.dtype)))
 
 
 def _check(dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
@@ -41,7 +48,7 @@ try:
     def scatter_rows_triton(dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
         """Triton version of ``scatter_rows_reference`` (same semantics)."""
         # Cast with torch, as the reference does, so both round the same way; the kernel copies.
-        src = src.to(dst.dtype).contiguous()
+        src, dst = as_bytes(src.to(dst.dtype).contiguous()), as_bytes(dst)
         _check(dst, slots, src)
         if slots.numel() == 0:
             return

@@ -32,12 +32,13 @@ class BrokenLens:
         raise RuntimeError("injected failure")
 
 
-def setup(seq_lens, layers: int = LAYERS, config: UniCacheConfig | None = None, tree=None):
-    pool = MHATokenToKVPool(POOL, 1, torch.float32, HEADS, DIM, layers, "cpu", False)
-    allocator = TokenToKVPoolAllocator(POOL, torch.float32, "cpu", pool, need_sort=False)
+def setup(seq_lens, layers: int = LAYERS, config: UniCacheConfig | None = None, tree=None,
+          dtype: torch.dtype = torch.float32):
+    pool = MHATokenToKVPool(POOL, 1, dtype, HEADS, DIM, layers, "cpu", False)
+    allocator = TokenToKVPoolAllocator(POOL, dtype, "cpu", pool, need_sort=False)
     for layer in range(layers):
-        pool.k_buffer[layer].normal_()
-        pool.v_buffer[layer].normal_()
+        for buf in (pool.get_key_buffer(layer), pool.get_value_buffer(layer)):
+            buf[:] = torch.randn(buf.shape).to(dtype)
     req_to_token = torch.zeros(2, POOL, dtype=torch.int32)
     config = config or UniCacheConfig(method="knorm", keep_ratio=0.25, selfcheck=False)
     controller = Controller(config, req_to_token, pool, allocator, tree=tree)
@@ -120,3 +121,46 @@ def test_the_prompt_kv_is_read_one_layer_at_a_time(monkeypatch):
     assert controller.stats.images_compressed == 1 and controller.stats.errors == 0
     assert reads[0] >= 16, "every layer's K and V was read"
     assert peak[0] <= 4, f"{peak[0]} prompt-length K/V copies alive at once"
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16])
+def test_a_quantized_or_half_pool_is_compressed_in_its_dtype(dtype):
+    """``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2`` (issue 16): the policy scores dequantized
+    values and the compressed entries are written back in the pool's dtype, exactly the entries
+    the pool held (eviction moves stored values, it never re-quantizes them)."""
+    controller, req, pool, allocator, _ = setup(
+        torch.tensor([LENGTH]), dtype=dtype,
+        config=UniCacheConfig(keep_ratio=0.25, selfcheck_threshold=0.9))
+    row = controller.req_to_token[1, :LENGTH].to(torch.int64).clone()
+    before = [pool.get_key_buffer(layer).index_select(0, row).clone() for layer in range(LAYERS)]
+    free = allocator.available_size()
+    controller.on_checkpoint(req)
+    assert controller.stats.errors == 0
+    assert controller.stats.images_compressed == 1, controller.recent_checks
+    kept = N - (LENGTH - req.extend_end)
+    assert allocator.available_size() == free + N - kept
+    new_row = controller.req_to_token[1, :req.extend_end].to(torch.int64)
+    for layer in range(LAYERS):
+        span = pool.get_key_buffer(layer).index_select(0, new_row[START:START + kept])
+        assert span.dtype == dtype
+        source = before[layer][START:START + N]
+        for head in range(HEADS):  # every entry is one of the image's stored entries, bit-exact
+            stored = {tuple(e.view(torch.uint8 if dtype.itemsize == 1 else torch.int16).tolist())
+                      for e in source[:, head]}
+            assert all(tuple(e.view(torch.uint8 if dtype.itemsize == 1 else torch.int16)
+                             .tolist()) in stored for e in span[:, head])
+
+
+def test_re_compression_moves_float8_entries_as_stored():
+    from sglang_unicache.integration.compaction import move_entries
+
+    keys = [torch.randn(16, 2, 4).to(torch.float8_e5m2) for _ in range(2)]
+    values = [torch.randn(16, 2, 4).to(torch.float8_e5m2) for _ in range(2)]
+    slots = torch.tensor([3, 5, 7, 9])
+    keep = torch.tensor([[[1, 3], [0, 2]], [[2, 3], [0, 1]]])  # [L, H, K'] entries of the 4
+    want = [[buf[slots[keep[layer, head]], head].view(torch.uint8).clone() for head in range(2)]
+            for layer, buf in enumerate(keys)]
+    move_entries(keys, values, slots, keep)
+    for layer in range(2):
+        for head in range(2):
+            assert torch.equal(keys[layer][slots[:2], head].view(torch.uint8), want[layer][head])
