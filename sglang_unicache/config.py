@@ -19,10 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-KNOWN_METHODS = ("unicache", "aircache", "snapkv", "pyramidkv", "h2o", "knorm", "random", "full")
-KNOWN_SCORERS = ("unicache", "aircache", "snapkv", "h2o", "knorm", "random", "full")
-KNOWN_BUDGETS = ("uniform", "unicache", "aircache", "pyramid", "full")
-KNOWN_REDUCERS = ("evict", "merge")
 QUANTIZATIONS = ("off", "int8", "int4")
 LAYER_FILLS = ("none", "next")
 MODALITY_ALLOCATIONS = ("density", "fixed")
@@ -80,7 +76,7 @@ class UniCacheConfig:
     """
 
     # -- what to run ---------------------------------------------------------------------------
-    method: str = "unicache"  # a name from KNOWN_METHODS
+    method: str = "unicache"  # a registered method (``registry.known_methods()``)
     keep_ratio: float = 0.1  # fraction of an image span's KV kept, (0, 1]
     min_image_tokens: int = 16  # spans shorter than this are left uncompressed (ours)
     preset: str = "default"  # seed §8.2 scenario; applied by from_mapping/preset()
@@ -171,7 +167,9 @@ class UniCacheConfig:
     h2o_recent_fraction: float = 0.5  # H2O: share of the budget for recent tokens
 
     def __post_init__(self) -> None:
-        _choice("method", self.method, KNOWN_METHODS)
+        from .registry import known  # the catalog of parts (it imports this module)
+
+        _choice("method", self.method, tuple(known("method")))
         if not (0 < self.keep_ratio <= 1):
             raise ValueError(
                 f"unicache config: keep_ratio must be in (0, 1], got {self.keep_ratio!r}"
@@ -179,11 +177,11 @@ class UniCacheConfig:
         _int_range("min_image_tokens", self.min_image_tokens, 1, 1 << 30)
         _choice("preset", self.preset, tuple(PRESETS))
         if self.scorer is not None:
-            _choice("scorer", self.scorer, KNOWN_SCORERS)
+            _choice("scorer", self.scorer, tuple(known("scorer")))
         if self.budget is not None:
-            _choice("budget", self.budget, KNOWN_BUDGETS)
+            _choice("budget", self.budget, tuple(known("budget")))
         if self.reducer is not None:
-            _choice("reducer", self.reducer, KNOWN_REDUCERS)
+            _choice("reducer", self.reducer, tuple(known("reducer")))
         _int_range("seed", self.seed, 0, 2**62)
         _int_range("observation_window", self.observation_window, 1, 1 << 20)
         _int_range("stats_chunk", self.stats_chunk, 16, 1 << 24)

@@ -1,4 +1,4 @@
-"""One explicit registry of named methods and of the composable parts they are made of.
+"""Methods by name, built from the parts the catalog holds (``catalog.py``).
 
 A method name maps to (scorer, budget, reducer, selection knobs). ``UniCacheConfig.scorer /
 budget / reducer`` override a part, so e.g. "AirCache budget + UniCache scores + merge" is
@@ -8,82 +8,30 @@ Unknown names raise ``ValueError`` listing the known ones.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
-from .budgets import AirCacheBudget, FullBudget, PyramidBudget, UniCacheBudget, UniformBudget
-from .budgets.base import LayerBudget
+from . import budgets, policies, reducers  # noqa: F401  (importing the parts registers them)
+from .catalog import BUDGETS, METHODS, REDUCERS, SCORERS, MethodSpec
 from .compressor import Method
 from .config import UniCacheConfig
-from .policies import (
-    AirCacheScorer,
-    FullScorer,
-    H2OScorer,
-    KNormScorer,
-    RandomScorer,
-    SnapKVScorer,
-    UniCacheScorer,
-)
-from .reducers import EvictReducer, MergeReducer
 
-SCORERS: dict[str, Callable[[UniCacheConfig], object]] = {
-    "unicache": lambda c: UniCacheScorer(),
-    "aircache": lambda c: AirCacheScorer(),
-    "snapkv": lambda c: SnapKVScorer(pool_kernel=c.pool_kernel),
-    "h2o": lambda c: H2OScorer(),
-    "knorm": lambda c: KNormScorer(),
-    "random": lambda c: RandomScorer(seed=c.seed),
-    "full": lambda c: FullScorer(),
-}
-BUDGETS: dict[str, Callable[[UniCacheConfig], LayerBudget]] = {
-    "uniform": lambda c: UniformBudget(),
-    "unicache": lambda c: UniCacheBudget(c.shallow_rate, c.deep_rate),
-    "aircache": lambda c: AirCacheBudget(c.aircache_floor),
-    "pyramid": lambda c: PyramidBudget(c.pyramid_beta),
-    "full": lambda c: FullBudget(),
-}
-REDUCERS: dict[str, Callable[[UniCacheConfig], object]] = {
-    "evict": lambda c: EvictReducer(),
-    "merge": lambda c: MergeReducer(),
-}
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    scorer: str
-    budget: str
-    reducer: str
-    recent_fraction: Callable[[UniCacheConfig], float] = lambda c: 0.0
-    anchor_fraction: Callable[[UniCacheConfig], float] = lambda c: 0.0
-    protects_alignment: Callable[[UniCacheConfig], bool] = lambda c: False
-    keeps_window: bool = False
-
-
-METHODS: dict[str, MethodSpec] = {
-    "unicache": MethodSpec(
-        "unicache",
-        "unicache",
-        "merge",
-        anchor_fraction=lambda c: c.anchor_fraction,
-        protects_alignment=lambda c: c.protect_alignment,
-    ),
-    "aircache": MethodSpec("aircache", "aircache", "evict"),
-    "snapkv": MethodSpec("snapkv", "uniform", "evict", keeps_window=True),
-    "pyramidkv": MethodSpec("snapkv", "pyramid", "evict", keeps_window=True),
-    "h2o": MethodSpec("h2o", "uniform", "evict", recent_fraction=lambda c: c.h2o_recent_fraction),
-    "knorm": MethodSpec("knorm", "uniform", "evict"),
-    "random": MethodSpec("random", "uniform", "evict"),
-    "full": MethodSpec("full", "full", "evict"),
-}
+__all__ = ["BUDGETS", "METHODS", "REDUCERS", "SCORERS", "MethodSpec", "build_method",
+           "known_methods"]
 
 
 def known_methods() -> list[str]:
-    return list(METHODS)
+    """Every registered method, the default first."""
+    return sorted(METHODS, key=lambda name: (name != "unicache", name))
+
+
+def known(kind: str) -> list[str]:
+    """Registered names of ``kind``: method, scorer, budget or reducer."""
+    if kind == "method":
+        return known_methods()
+    return list({"scorer": SCORERS, "budget": BUDGETS, "reducer": REDUCERS}[kind])
 
 
 def _pick(table: dict, name: str, kind: str):
     if name not in table:
-        raise ValueError(f"unknown unicache {kind} {name!r}; known: {', '.join(table)}")
+        raise ValueError(f"unknown unicache {kind} {name!r}; known: {', '.join(known(kind))}")
     return table[name]
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ..catalog import budget
 from ..policies.aircache import elite_importance
 from .base import LayerBudget
 
@@ -44,6 +45,7 @@ def aircache_factors(strength: torch.Tensor, skew: torch.Tensor, floor: float) -
     return 0.5 * (minmax_across_layers(strength) + minmax_across_layers(skew)) + floor
 
 
+@budget("aircache", lambda c: AirCacheBudget(c.aircache_floor))
 class AirCacheBudget(LayerBudget):
     name = "aircache"
     needs_queries = True

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..catalog import budget
 from .base import LayerBudget
 
 
@@ -24,6 +25,7 @@ def pyramid_factors(num_layers: int, beta: float) -> torch.Tensor:
     return torch.linspace(bottom, top, num_layers)
 
 
+@budget("pyramid", lambda c: PyramidBudget(c.pyramid_beta))
 class PyramidBudget(LayerBudget):
     name = "pyramid"
 

@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from ..catalog import budget
 from .base import LayerBudget
 
 
@@ -30,6 +31,7 @@ def cosine_rates(num_layers: int, shallow: float, deep: float) -> torch.Tensor:
     return deep + (shallow - deep) * (1 + torch.cos(math.pi * lin)) / 2
 
 
+@budget("unicache", lambda c: UniCacheBudget(c.shallow_rate, c.deep_rate))
 class UniCacheBudget(LayerBudget):
     name = "unicache"
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from ..catalog import budget
 from .base import LayerBudget
 
 
+@budget("uniform")
 class UniformBudget(LayerBudget):
     name = "uniform"
 
@@ -14,6 +16,7 @@ class UniformBudget(LayerBudget):
         return torch.ones(ctx.num_layers)
 
 
+@budget("full")
 class FullBudget(LayerBudget):
     """Every layer keeps the whole span (identity)."""
 

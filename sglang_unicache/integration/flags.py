@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sglang_unicache.config import UniCacheConfig
+from sglang_unicache.registry import known_methods
 
 ATTR = "_unicache_config"
 
@@ -36,7 +37,7 @@ class Flag:
 
 FLAGS = (
     Flag("--unicache-method", "method", str,
-         "Compression method (unicache, aircache, snapkv, pyramidkv, h2o, knorm, random, full)."),
+         f"Compression method ({', '.join(known_methods())})."),
     Flag("--unicache-keep-ratio", "keep_ratio", float,
          "Fraction of an image's visual KV kept after prefill, in (0, 1]."),
     Flag("--unicache-min-image-tokens", "min_image_tokens", int,

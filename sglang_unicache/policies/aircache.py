@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..catalog import method, scorer
+
 Tensor = torch.Tensor
 
 
@@ -60,6 +62,7 @@ def elite_importance(ctx, layer: int) -> Tensor:
     return ctx.cached("aircache_importance", layer, fn)
 
 
+@scorer("aircache")
 @dataclass(frozen=True)
 class AirCacheScorer:
     name: str = "aircache"
@@ -68,3 +71,7 @@ class AirCacheScorer:
 
     def score(self, ctx, layer):
         return elite_importance(ctx, layer)
+
+
+method("aircache", scorer="aircache", budget="aircache", reducer="evict",
+       summary="AirCache: elite observation window, strength + skewness budgets (seed 001)")

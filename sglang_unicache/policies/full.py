@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..catalog import method, scorer
 
+
+@scorer("full")
 @dataclass(frozen=True)
 class FullScorer:
     name: str = "full"
@@ -15,3 +18,7 @@ class FullScorer:
 
     def score(self, ctx, layer):
         return torch.zeros(ctx.inputs.num_kv_heads, ctx.inputs.num_tokens, device=ctx.inputs.device)
+
+
+method("full", scorer="full", budget="full", reducer="evict",
+       summary="identity: nothing compressed (token-identical to stock)")

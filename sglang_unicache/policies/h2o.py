@@ -13,7 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..catalog import method, scorer
 
+
+@scorer("h2o")
 @dataclass(frozen=True)
 class H2OScorer:
     name: str = "h2o"
@@ -26,3 +29,8 @@ class H2OScorer:
             return acc[layer].float()
         ctx.require_queries(self.name + " (without accumulated_attention)")
         return ctx.received(layer)
+
+
+method("h2o", scorer="h2o", budget="uniform", reducer="evict",
+       summary="H2O: heavy hitters plus recent tokens",
+       recent_fraction=lambda c: c.h2o_recent_fraction)

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..catalog import method, scorer
 
+
+@scorer("knorm")
 @dataclass(frozen=True)
 class KNormScorer:
     name: str = "knorm"
@@ -18,3 +21,7 @@ class KNormScorer:
 
     def score(self, ctx, layer):
         return -ctx.key_norm(layer)
+
+
+method("knorm", scorer="knorm", budget="uniform", reducer="evict",
+       summary="key norm: low-norm keys kept, question-independent")

@@ -10,7 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..catalog import method, scorer
 
+
+@scorer("random", lambda c: RandomScorer(seed=c.seed))
 @dataclass(frozen=True)
 class RandomScorer:
     name: str = "random"
@@ -22,3 +25,7 @@ class RandomScorer:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + layer)
         h, t = ctx.inputs.num_kv_heads, ctx.inputs.num_tokens
         return torch.rand(h, t, generator=g).to(ctx.inputs.device)
+
+
+method("random", scorer="random", budget="uniform", reducer="evict",
+       summary="seeded random selection (a floor)")

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..catalog import method, scorer
 from .signals import max_pool_tokens
 
 
+@scorer("snapkv", lambda c: SnapKVScorer(pool_kernel=c.pool_kernel))
 @dataclass(frozen=True)
 class SnapKVScorer:
     name: str = "snapkv"
@@ -29,3 +31,9 @@ class SnapKVScorer:
         ctx.require_queries(self.name)
         raw = ctx.received(layer)
         return max_pool_tokens(raw, self.pool_kernel) + 1e-3 * raw
+
+
+method("snapkv", scorer="snapkv", budget="uniform", reducer="evict", keeps_window=True,
+       summary="SnapKV: pooled observation-window attention, same K per layer")
+method("pyramidkv", scorer="snapkv", budget="pyramid", reducer="evict", keeps_window=True,
+       summary="PyramidKV: SnapKV scores, budgets decreasing with depth")

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..catalog import method, scorer
 from .signals import by_modality_minmax
 
 
@@ -56,6 +57,7 @@ def cross_modal(ctx, layer: int) -> torch.Tensor:
     return c
 
 
+@scorer("unicache")
 @dataclass(frozen=True)
 class UniCacheScorer:
     name: str = "unicache"
@@ -76,3 +78,9 @@ class UniCacheScorer:
         else:
             a, c = u, u
         return wa * a + wc * c - wd * d + wr * r
+
+
+method("unicache", scorer="unicache", budget="unicache", reducer="merge",
+       summary="UniCache: unified scores, cosine layer curve, merge (seed 000)",
+       anchor_fraction=lambda c: c.anchor_fraction,
+       protects_alignment=lambda c: c.protect_alignment)

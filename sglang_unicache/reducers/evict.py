@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..catalog import reducer
 from .base import keep_only
 
 
+@reducer("evict")
 @dataclass(frozen=True)
 class EvictReducer:
     """Keep the selected entries as exact copies; every other token of the span is evicted."""

@@ -22,10 +22,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..catalog import reducer
 from ..policies.signals import masked_minmax
 from .base import keep_only
 
 
+@reducer("merge")
 @dataclass(frozen=True)
 class MergeReducer:
     name: str = "merge"
