@@ -15,7 +15,9 @@ Activation (``activate`` is the ``sglang.srt.platforms`` entry point):
 On a CPU the default KV pool would take most of the RAM, so the platform caps
 ``max_total_tokens`` (``SGLANG_UNICACHE_CPU_MAX_TOTAL_TOKENS``, default 32768) unless the user
 passes ``--max-total-tokens``, and turns on ``sleep_on_idle`` (an idle scheduler would otherwise
-spin a core at 100%).
+spin a core at 100%). With more ranks (``dp x tp x pp``) than NUMA nodes and no
+``SGLANG_CPU_OMP_THREADS_BIND``, SGLang refuses to start; the platform then sets that variable,
+splitting this process's CPUs evenly between the ranks (``threads_bind``).
 """
 
 from __future__ import annotations
@@ -67,3 +69,14 @@ def default_max_total_tokens() -> int:
             f"SGLANG_UNICACHE_CPU_MAX_TOTAL_TOKENS must be a positive integer, got {raw!r}"
         )
     return value
+
+
+def threads_bind(ranks: int, cpus: list[int]) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` giving each of ``ranks`` ranks a contiguous, equal share of
+    ``cpus`` (one CPU each, shared round robin, when there are fewer CPUs than ranks)."""
+    cpus = sorted(cpus)
+    if len(cpus) < ranks:
+        return "|".join(str(cpus[i % len(cpus)]) for i in range(ranks))
+    share = len(cpus) // ranks
+    groups = [cpus[i * share:(i + 1) * share] for i in range(ranks)]
+    return "|".join(",".join(map(str, group)) for group in groups)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from sglang.srt.platforms.cpu import CpuDeviceMixin
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
-from sglang_unicache.platform.cpu import default_max_total_tokens
+from sglang_unicache.platform.cpu import default_max_total_tokens, threads_bind
 
 logger = logging.getLogger(__name__)
 
@@ -45,3 +46,20 @@ class UniCacheCpuPlatform(CpuDeviceMixin, SRTPlatform):
         # An idle scheduler otherwise spins one core at 100%: on a CPU host that core is the
         # one the next request needs.
         server_args.sleep_on_idle = True
+        self._bind_threads(server_args)
+
+    @staticmethod
+    def _bind_threads(server_args) -> None:
+        """More ranks than NUMA nodes: SGLang needs ``SGLANG_CPU_OMP_THREADS_BIND``; split the
+        CPUs this process may use between the ranks unless the user set it."""
+        if os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
+            return
+        from sglang.srt.utils.numa_utils import get_cpu_ids_by_node
+
+        ranks = server_args.dp_size * server_args.tp_size * server_args.pp_size
+        if ranks <= len(get_cpu_ids_by_node()):
+            return
+        bind = threads_bind(ranks, sorted(os.sched_getaffinity(0)))
+        os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = bind
+        logger.info("unicache_cpu: %d ranks on %d NUMA node(s): SGLANG_CPU_OMP_THREADS_BIND=%s",
+                    ranks, len(get_cpu_ids_by_node()), bind)

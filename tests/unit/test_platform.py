@@ -47,6 +47,7 @@ def test_not_with_sglang_cpu_engine(env):
 def test_platform_class_resolves_and_defaults(env):
     import pkgutil
 
+    pytest.importorskip("sglang")  # the whole package first (its platform import is circular)
     platform = pkgutil.resolve_name(CLASS)()
     assert platform.is_out_of_tree()
     assert platform.get_device() == "cpu"
@@ -60,3 +61,33 @@ def test_pool_cap_env(env):
     env.setenv("SGLANG_UNICACHE_CPU_MAX_TOTAL_TOKENS", "lots")
     with pytest.raises(ValueError, match="SGLANG_UNICACHE_CPU_MAX_TOTAL_TOKENS"):
         cpu.default_max_total_tokens()
+
+
+def test_threads_bind_splits_the_cpus_between_ranks():
+    assert cpu.threads_bind(2, [0, 1]) == "0|1"
+    assert cpu.threads_bind(2, [4, 5, 6, 7, 0, 1, 2, 3]) == "0,1,2,3|4,5,6,7"
+    assert cpu.threads_bind(3, [0, 1, 2, 3, 4, 5, 6]) == "0,1|2,3|4,5"
+    assert cpu.threads_bind(4, [0, 1]) == "0|1|0|1"  # fewer CPUs than ranks: shared
+
+
+def test_more_ranks_than_numa_nodes_get_a_binding(env):
+    """DP = 2 on a one-node CPU host used to stop at startup ("SGLANG_CPU_OMP_THREADS_BIND is not
+    set ..."); the platform sets it unless the user did (issue 15)."""
+    import pkgutil
+    from types import SimpleNamespace
+
+    pytest.importorskip("sglang")  # the whole package first (its platform import is circular)
+    from sglang.srt.utils.numa_utils import get_cpu_ids_by_node
+
+    env.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    platform = pkgutil.resolve_name(CLASS)()
+    ranks = len(get_cpu_ids_by_node()) + 1
+    args = SimpleNamespace(dp_size=ranks, tp_size=1, pp_size=1)
+    platform._bind_threads(args)
+    import os
+
+    bind = os.environ["SGLANG_CPU_OMP_THREADS_BIND"]
+    assert len(bind.split("|")) == ranks
+    env.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0|0|0")
+    platform._bind_threads(args)
+    assert os.environ["SGLANG_CPU_OMP_THREADS_BIND"] == "0|0|0"  # the user's setting wins
