@@ -11,8 +11,14 @@ answers. Two settings (DESIGN.md §6):
   compression during decoding shows.
 
 Images use the checkpoint's grid (``grid`` in ``<model>/training_args.json``, else 16; ``--grid``
-overrides). ``--transformers-check N`` first answers the first N scored items of each setting with
-the same checkpoint through plain transformers (:mod:`sglang_unicache.eval.hf_reference`) and
+overrides). ``--task`` picks the question set (default: the checkpoint's ``task``, else ``vqa``,
+the bundled task): ``grid`` is issue 13's second task (``vqa_data``: positional and background
+questions; each question of an image is about a different row, so the later questions of the
+reuse setting look at other regions than the one that compressed the image; its long setting
+asks "Which colours are in row R?").
+
+``--transformers-check N`` first answers the first N scored items of each setting with the same
+checkpoint through plain transformers (:mod:`sglang_unicache.eval.hf_reference`) and
 stores them as method ``transformers`` (keep ratio 1.0), to compare with the server's ``full``.
 Every setting's score also lists ``correct`` per item, in item order, so the two can be compared
 on the same items (``benchmarks/quality/report.py`` does).
@@ -31,13 +37,21 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from sglang_unicache.eval.vqa_data import DEFAULT_QTYPES, LONG_ANSWER_QTYPES, make_split
+from sglang_unicache.eval.vqa_data import (
+    DEFAULT_QTYPES,
+    GRID_LONG_ANSWER_QTYPES,
+    GRID_QTYPES,
+    LONG_ANSWER_QTYPES,
+    TASKS,
+    make_split,
+)
 from sglang_unicache.testing.client import answer, chat, flush_cache, internal_state
 from sglang_unicache.testing.images import data_url
 from sglang_unicache.testing.server import start_server
 
 # Every default question type, long answers included (scored on the whole answer).
 REUSE_QTYPES = DEFAULT_QTYPES
+GRID_REUSE_QTYPES = GRID_QTYPES  # the grid task: every type, one row per question
 MAX_TOKENS = 16  # enough for the longest answer (six colours) and <|im_end|>
 
 
@@ -77,20 +91,29 @@ def checkpoint_grid(model: str) -> int:
     return 16
 
 
-def reuse_items(images: int, questions: int, seed: int, grid: int) -> list:
-    return make_split("test", images, questions, seed=seed, grid=grid, qtypes=REUSE_QTYPES)
+def checkpoint_task(model: str) -> str:
+    """``task`` the checkpoint was trained on (``training_args.json``), else ``vqa``."""
+    path = Path(model) / "training_args.json"
+    if path.is_file():
+        return json.loads(path.read_text()).get("task") or "vqa"
+    return "vqa"
 
 
-def long_items(images: int, seed: int, grid: int) -> list:
-    return make_split("test", images, 1, seed=seed + 1, grid=grid,
-                      qtypes=LONG_ANSWER_QTYPES[::2])
+def reuse_items(images: int, questions: int, seed: int, grid: int, task: str = "vqa") -> list:
+    qtypes = GRID_REUSE_QTYPES if task == "grid" else REUSE_QTYPES
+    return make_split("test", images, questions, seed=seed, grid=grid, qtypes=qtypes, task=task)
+
+
+def long_items(images: int, seed: int, grid: int, task: str = "vqa") -> list:
+    qtypes = GRID_LONG_ANSWER_QTYPES if task == "grid" else LONG_ANSWER_QTYPES[::2]
+    return make_split("test", images, 1, seed=seed + 1, grid=grid, qtypes=qtypes, task=task)
 
 
 def run_reuse(server, images: int, questions: int, seed: int,
-              grid: int) -> tuple[dict, int, list[dict]]:
+              grid: int, task: str = "vqa") -> tuple[dict, int, list[dict]]:
     """The reuse score, the spans reused, and per image the warming request's self-check (its
     last ``recent_checks`` entry, or None) with the correctness of the questions that reused it."""
-    items = reuse_items(images, questions, seed, grid)
+    items = reuse_items(images, questions, seed, grid, task)
     rows, reused, per_image = [], 0, []
     groups: dict[str, list] = {}
     for item in items:
@@ -123,8 +146,8 @@ def held_summary(per_image: list[dict], image_tokens: int) -> dict:
             "mean_slots_ratio": sum(slots) / len(slots) / image_tokens}
 
 
-def run_long(server, images: int, seed: int, grid: int) -> dict:
-    items = long_items(images, seed, grid)
+def run_long(server, images: int, seed: int, grid: int, task: str = "vqa") -> dict:
+    items = long_items(images, seed, grid, task)
     rows = []
     for item in items:
         flush_cache(server)
@@ -139,14 +162,17 @@ def run_transformers(args, settings: list[str]) -> dict:
 
     n = args.transformers_check
     start = time.perf_counter()
-    entry = {"method": "transformers", "keep_ratio": 1.0, "items_per_setting": n}
+    entry = {"method": "transformers", "keep_ratio": 1.0, "items_per_setting": n,
+             "task": args.task}
     jobs = []
     if "reuse" in settings:
-        scored = [it for it in reuse_items(args.images, args.questions, args.seed, args.grid)
+        scored = [it for it in reuse_items(args.images, args.questions, args.seed, args.grid,
+                                           args.task)
                   if it.question_index >= 1]
         jobs.append(("reuse", scored[:n], MAX_TOKENS))
     if "long" in settings:
-        jobs.append(("long", long_items(args.images, args.seed, args.grid)[:n], 16))
+        jobs.append(("long", long_items(args.images, args.seed, args.grid, args.task)[:n],
+                     MAX_TOKENS))
     for setting, items, max_tokens in jobs:
         answers = hf_answers(args.model, items, max_new_tokens=max_tokens)
         entry[setting] = score([{"qtype": it.qtype, "correct": got == it.answer}
@@ -168,6 +194,9 @@ def main() -> None:
     parser.add_argument("--grid", type=int, default=None,
                         help="cells per side of the test images (default: the checkpoint's "
                              "training_args.json grid, else 16)")
+    parser.add_argument("--task", choices=TASKS, default=None,
+                        help="question set: vqa (the bundled task) or grid (issue 13's second "
+                             "task); default: the checkpoint's training_args.json task, else vqa")
     parser.add_argument("--transformers-check", type=int, default=0, metavar="N",
                         help="before serving, score the first N scored items of each setting "
                              "with transformers (method 'transformers'); 0 skips it")
@@ -179,12 +208,17 @@ def main() -> None:
                         help="extra policy config (YAML values), e.g. query_weight=1.0")
     parser.add_argument("--label", default="",
                         help="suffix of the method names in the results (for --set variants)")
+    parser.add_argument("--server-arg", action="append", default=[], metavar="FLAG",
+                        help="extra SGLang server flag, e.g. --server-arg=--kv-cache-dtype "
+                             "--server-arg=fp8_e4m3 (recorded in the results)")
     parser.add_argument("--out", default="runs/quality.json")
     args = parser.parse_args()
     if args.grid is None:
         args.grid = checkpoint_grid(args.model)
-    print(f"test images: grid {args.grid} ({args.grid * 28} px, {args.grid ** 2} visual tokens)",
-          flush=True)
+    if args.task is None:
+        args.task = checkpoint_task(args.model)
+    print(f"test images: grid {args.grid} ({args.grid * 28} px, {args.grid ** 2} visual tokens), "
+          f"task {args.task}", flush=True)
 
     config = Path(tempfile.mkdtemp()) / "policy.json"
     import yaml
@@ -211,19 +245,22 @@ def main() -> None:
         ratios = ["1.0"] if method == "full" else args.ratios.split(",")
         for ratio in ratios:
             flags = ["--unicache", "--unicache-method", method, "--unicache-keep-ratio", ratio,
-                     "--unicache-config", str(config), "--enable-cache-report"]
+                     "--unicache-config", str(config), "--enable-cache-report",
+                     *args.server_arg]
             start = time.perf_counter()
             server = start_server(args.model, flags,
                                   f"runs/quality-{method}{args.label}-{ratio}.log")
             try:
                 entry = {"method": method + args.label, "keep_ratio": float(ratio),
-                         "config": extra, "selfcheck": args.selfcheck}
+                         "config": extra, "selfcheck": args.selfcheck, "task": args.task,
+                         "server_args": args.server_arg}
                 if "reuse" in settings:
                     entry["reuse"], entry["spans_reused"], entry["images"] = run_reuse(
-                        server, args.images, args.questions, args.seed, args.grid)
+                        server, args.images, args.questions, args.seed, args.grid, args.task)
                     entry["held"] = held_summary(entry["images"], args.grid ** 2)
                 if "long" in settings:
-                    entry["long"] = run_long(server, args.images, args.seed, args.grid)
+                    entry["long"] = run_long(server, args.images, args.seed, args.grid,
+                                             args.task)
                 entry["stats"] = internal_state(server).get("unicache", {})
             finally:
                 server.stop()
