@@ -239,6 +239,9 @@ def main(argv=None) -> int:
         cells = []
         for name in names:
             c = table[name][q]
+            if not c["n"]:
+                cells.append("-")
+                continue
             text = f"{100 * c['accuracy']:.1f} ({c['n']})"
             if "mean_signed_error" in c:
                 text += f" {c['mean_signed_error']:+.2f}"
