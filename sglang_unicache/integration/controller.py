@@ -224,20 +224,22 @@ class Controller:
         the prefix it took from the tree. Images the tree supplied (compressed spans reused, or
         an uncompressed copy) are shared and stay as they are; a later chat turn or agent step
         still compresses the new images it brings."""
-        if full_kv_only(req):
-            return []
-        protected = req.kv.cache_protected_len
-        spans = []
-        for start, end, pad in self.image_spans(req):
-            if start >= protected:
-                spans.append((start, end, pad))
-            elif end > protected:  # part of an image from the tree: its slots are shared
-                self.stats.skipped_cached += 1
+        spans, partly_cached = self._own_spans(req)
+        self.stats.skipped_cached += partly_cached
         return spans
 
+    def _own_spans(self, req) -> tuple[list[tuple[int, int, int]], int]:
+        """(the image spans past the tree-owned prefix, how many images straddle it: part of
+        them came from the tree, so their slots are shared)."""
+        if full_kv_only(req):
+            return [], 0
+        protected = req.kv.cache_protected_len
+        spans = self.image_spans(req)
+        own = [span for span in spans if span[0] >= protected]
+        return own, sum(start < protected < end for start, end, _ in spans)
+
     def _owns_images(self, req) -> bool:
-        return not full_kv_only(req) and any(
-            start >= req.kv.cache_protected_len for start, _, _ in self.image_spans(req))
+        return bool(self._own_spans(req)[0])
 
     def defer_chunk_checkpoint(self, req) -> bool:
         """True for a middle prefill chunk of a request with images to compress (decided in

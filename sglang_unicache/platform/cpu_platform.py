@@ -57,9 +57,10 @@ class UniCacheCpuPlatform(CpuDeviceMixin, SRTPlatform):
         from sglang.srt.utils.numa_utils import get_cpu_ids_by_node
 
         ranks = server_args.dp_size * server_args.tp_size * server_args.pp_size
-        if ranks <= len(get_cpu_ids_by_node()):
+        nodes = len(get_cpu_ids_by_node())
+        if ranks <= nodes:
             return
         bind = threads_bind(ranks, sorted(os.sched_getaffinity(0)))
         os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = bind
         logger.info("unicache_cpu: %d ranks on %d NUMA node(s): SGLANG_CPU_OMP_THREADS_BIND=%s",
-                    ranks, len(get_cpu_ids_by_node()), bind)
+                    ranks, nodes, bind)
