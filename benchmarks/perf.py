@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from perf_workload import concurrency, decode, workload
+from perf_workload import concurrency, decode, streaming, workload
 
 from sglang_unicache.testing.client import (
     available_slots,
@@ -42,6 +42,9 @@ IMAGE_SIZE = 448  # 256 visual tokens per image
 # ~57 KB), enough that reading the KV is a visible share of a CPU decode step. 896 px = 1,024
 # visual tokens an image.
 DECODE_MODEL = {"hidden": 256, "layers": 4, "image_size": 896, "context": 8192}
+# The streaming part (issue 19): long visual context on a model where prefill costs, hidden 512,
+# 8 layers, 1,024 visual tokens an image, 4 images a request.
+STREAMING_MODEL = {"hidden": 512, "layers": 8, "image_size": 896, "context": 20480}
 
 
 def image(i: int) -> bytes:
@@ -178,6 +181,11 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8, help="workload: concurrent clients")
     parser.add_argument("--decode-batch", type=int, default=8, help="decode: concurrent requests")
     parser.add_argument("--max-batch", type=int, default=64, help="concurrency: largest b tried")
+    parser.add_argument("--streaming-model", help="checkpoint of the streaming part (default: a "
+                        "random Qwen2-VL, see STREAMING_MODEL)")
+    parser.add_argument("--streaming-methods", default="unicache,knorm,snapkv,aircache",
+                        help="streaming: methods run with the self-check off, besides stock and "
+                             "the shipped defaults")
     parser.add_argument("--out", default="runs/perf.json")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp())
@@ -206,6 +214,17 @@ def main() -> None:
         decode_model = Path(args.decode_model) if args.decode_model else build_tiny_qwen2_vl(
             work / "tiny-qwen2-vl-decode", **DECODE_MODEL)
         results["decode"] = decode(decode_model, servers, log_dir, batch=args.decode_batch)
+    if "streaming" in parts:
+        stream_model = Path(args.streaming_model) if args.streaming_model else \
+            build_tiny_qwen2_vl(work / "tiny-qwen2-vl-streaming", **STREAMING_MODEL)
+        stream_servers = {"stock": ["--enable-cache-report"],
+                          "stock, overlap scheduler off": ["--enable-cache-report",
+                                                           "--disable-overlap-schedule"],
+                          "--unicache --unicache-keep-ratio 0.1 (defaults as shipped)":
+                              ["--unicache", "--unicache-keep-ratio", "0.1"]}
+        stream_servers |= {f"unicache {m} keep 0.1, selfcheck off": flags_for(m, 0.1, config)
+                           for m in args.streaming_methods.split(",") if m}
+        results["streaming"] = streaming(stream_model, stream_servers, log_dir)
     if "concurrency" in parts:
         results["concurrency"] = concurrency(model, servers, log_dir, max_batch=args.max_batch)
     results["seconds"] = round(time.perf_counter() - start)

@@ -20,9 +20,10 @@ import concurrent.futures as futures
 import random
 import re
 import time
+from functools import partial
 from pathlib import Path
 
-from sglang_unicache.testing.client import chat, flush_cache, stream_chat
+from sglang_unicache.testing.client import chat, flush_cache, internal_state, stream_chat
 from sglang_unicache.testing.images import data_url, image_chat, solid_png
 from sglang_unicache.testing.server import start_server
 
@@ -111,12 +112,8 @@ def workload(model: Path, servers: dict[str, list[str]], log_dir: Path, *, image
                              "requests_s"])
 
 
-def decode(model: Path, servers: dict[str, list[str]], log_dir: Path, *, batch: int = 8,
-           images: int = 4, image_px: int = 896, max_tokens: int = 160) -> list[dict]:
-    """Time per output token while all ``batch`` requests decode together: counted from the
-    moment the last request got its first token (every prefill done) to the end of each
-    request, so prefill stalls of requests still arriving stay out of it."""
-    image_tokens = (image_px // 28) ** 2
+def multi_image_bodies(batch: int, images: int, image_px: int, max_tokens: int) -> list[dict]:
+    """``batch`` chat requests of ``images`` distinct pictures each and ``max_tokens`` outputs."""
     bodies = []
     for r in range(batch):
         body = image_chat(picture(1000 + images * r, image_px), "describe the picture",
@@ -125,6 +122,16 @@ def decode(model: Path, servers: dict[str, list[str]], log_dir: Path, *, batch: 
             {"type": "image_url", "image_url": {"url": data_url(picture(1000 + k, image_px))}}
             for k in range(images * r + 1, images * r + images)]
         bodies.append(body)
+    return bodies
+
+
+def decode(model: Path, servers: dict[str, list[str]], log_dir: Path, *, batch: int = 8,
+           images: int = 4, image_px: int = 896, max_tokens: int = 160) -> list[dict]:
+    """Time per output token while all ``batch`` requests decode together: counted from the
+    moment the last request got its first token (every prefill done) to the end of each
+    request, so prefill stalls of requests still arriving stay out of it."""
+    image_tokens = (image_px // 28) ** 2
+    bodies = multi_image_bodies(batch, images, image_px, max_tokens)
 
     def measure(server) -> dict:
         with futures.ThreadPoolExecutor(max_workers=batch) as clients:
@@ -187,3 +194,43 @@ def concurrency(model: Path, servers: dict[str, list[str]], log_dir: Path, *,
     extra = ["--max-total-tokens", str(pool), "--decode-log-interval", "1"]
     return on_each(model, servers, extra, log_dir / "concurrency", measure,
                    ["largest_batch"])
+
+
+def streaming(model: Path, servers: dict[str, list[str]], log_dir: Path, *, batch: int = 4,
+              images: int = 4, image_px: int = 896, max_tokens: int = 48) -> list[dict]:
+    """What a streaming user sees (issue 19): ``batch`` requests of ``images`` pictures sent at
+    once, so later prefills land while earlier requests decode. Per request, the time per output
+    token from its first token to its last (``tpot``: mean and worst request), and every gap
+    between two tokens (``itl`` p50/p99 over all requests); with the plugin, compression time as
+    a share of prefill time (the scheduler's own counters). Each server's row carries its ratio to
+    the first server (stock) as ``tpot_vs_stock``."""
+    bodies = multi_image_bodies(batch, images, image_px, max_tokens)
+    pool = batch * (images * (image_px // 28) ** 2 + 64 + max_tokens)
+    extra = ["--max-total-tokens", str(pool), "--max-running-requests", str(batch)]
+    rows = []
+    for i, (name, flags) in enumerate(servers.items()):
+        server = start_server(model, flags + extra, log_dir / f"streaming-{i}.log")
+        try:
+            chat(server, image_chat(picture(65_000), "what colour is it?", max_tokens=2))
+            flush_cache(server)
+            before = internal_state(server).get("unicache", {})
+            with futures.ThreadPoolExecutor(max_workers=batch) as clients:
+                outs = list(clients.map(partial(stream_chat, server, timeout=900), bodies))
+            after = internal_state(server).get("unicache", {})
+        finally:
+            server.stop()
+        tpot = [(o["times"][-1] - o["times"][0]) / (len(o["times"]) - 1) for o in outs]
+        gaps = [b - a for o in outs for a, b in zip(o["times"], o["times"][1:], strict=False)]
+        row = {"server": name, "tpot_ms": round(1000 * sum(tpot) / len(tpot), 1),
+               "tpot_worst_ms": round(1000 * max(tpot), 1),
+               "itl_p50_ms": round(1000 * percentile(gaps, 0.5), 1),
+               "itl_p99_ms": round(1000 * percentile(gaps, 0.99), 1),
+               "ttft_p50_ms": round(1000 * percentile([o["times"][0] for o in outs], 0.5))}
+        if after:
+            prefill = after["prefill_seconds"] - before.get("prefill_seconds", 0.0)
+            compress = after["compress_seconds"] - before.get("compress_seconds", 0.0)
+            row["compress_share_of_prefill"] = round(compress / max(prefill, 1e-9), 3)
+        rows.append(row)
+    for row in rows:
+        row["tpot_vs_stock"] = round(row["tpot_ms"] / rows[0]["tpot_ms"], 2)
+    return rows
