@@ -18,12 +18,12 @@ reuse setting look at other regions than the one that compressed the image; its 
 asks "Which colours are in row R?").
 
 ``--transformers-check N`` first answers the first N scored items of each setting with the same
-checkpoint through plain transformers (:mod:`sglang_unicache.eval.hf_reference`) and
+checkpoint through plain transformers (:mod:`benchmarks.quality.hf_reference`) and
 stores them as method ``transformers`` (keep ratio 1.0), to compare with the server's ``full``.
 Every setting's score also lists ``correct`` per item, in item order, so the two can be compared
 on the same items (``benchmarks/quality/report.py`` does).
 
-    python benchmarks/quality/eval_serving.py --model runs/tiny-vqa-qwen2-vl \\
+    python -m benchmarks.quality.eval_serving --model runs/tiny-vqa-qwen2-vl \\
         --methods full,random,knorm,snapkv,unicache --ratios 0.1 --images 40 --out runs/q.json \\
         --transformers-check 40
 """
@@ -37,7 +37,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from sglang_unicache.eval.vqa_data import (
+from benchmarks.quality.vqa_data import (
     DEFAULT_QTYPES,
     GRID_LONG_ANSWER_QTYPES,
     GRID_QTYPES,
@@ -45,9 +45,9 @@ from sglang_unicache.eval.vqa_data import (
     TASKS,
     make_split,
 )
-from sglang_unicache.testing.client import answer, chat, flush_cache, internal_state
-from sglang_unicache.testing.images import data_url
-from sglang_unicache.testing.server import start_server
+from tests.support.client import answer, chat, flush_cache, internal_state
+from tests.support.images import data_url
+from tests.support.server import start_server
 
 # Every default question type, long answers included (scored on the whole answer).
 REUSE_QTYPES = DEFAULT_QTYPES
@@ -158,7 +158,7 @@ def run_long(server, images: int, seed: int, grid: int, task: str = "vqa") -> di
 def run_transformers(args, settings: list[str]) -> dict:
     """The ``transformers`` entry: the first ``args.transformers_check`` scored items of each
     setting, answered by the checkpoint through transformers with the server's token limits."""
-    from sglang_unicache.eval.hf_reference import hf_answers
+    from benchmarks.quality.hf_reference import hf_answers
 
     n = args.transformers_check
     start = time.perf_counter()

@@ -5,7 +5,7 @@ same prompt (chat template: user turn with the image, then the question), greedy
 gap means the serving path (processor, template, model port) differs from training, not that a
 compression method lost information.
 
-    from sglang_unicache.eval.hf_reference import hf_answers
+    from benchmarks.quality.hf_reference import hf_answers
     answers = hf_answers("runs/tiny-vqa-qwen2-vl", items, max_new_tokens=4)
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from sglang_unicache.eval.vqa_data import VQAItem
+from benchmarks.quality.vqa_data import VQAItem
 
 
 def hf_answers(model_dir: str | Path, items: Sequence[VQAItem],
