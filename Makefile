@@ -18,23 +18,23 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(PY) -m sglang_unicache.demo
+	$(PY) -m examples.demo
 
 test: setup
 	$(PY) -m pytest -q -p no:warnings
 
 lint: setup
-	$(VENV)/bin/ruff check sglang_unicache tests benchmarks examples
+	$(VENV)/bin/ruff check sglang_unicache tests benchmarks examples tools
 
 format: setup
-	$(VENV)/bin/ruff format sglang_unicache tests benchmarks examples
+	$(VENV)/bin/ruff format sglang_unicache tests benchmarks examples tools
 
 # Measured on a fresh clone, quiet 2-core machine: 19.8 minutes in all (setup 5 min, perf.py 16 min:
 # all six parts against stock SGLang, 22 server starts; bench_policy.py 1 min). Results:
 # runs/perf.json, logs runs/perf-logs. Do not run it beside other jobs: see BENCHMARKS.md.
 bench: setup
-	$(PY) benchmarks/perf.py --out runs/perf.json
-	$(PY) benchmarks/bench_policy.py --reps 2 --dtype bf16
+	$(PY) -m benchmarks.perf --out runs/perf.json
+	$(PY) -m benchmarks.bench_policy --reps 2 --dtype bf16
 
 # Quality vs keep ratio (issue 6): the transformers reference on 40 items per setting, then
 # eval_serving.py for full + 7 methods x 5 keep ratios, reuse and long settings, and UniCache with
@@ -42,28 +42,28 @@ bench: setup
 # on: unicache-shipped, 4 more servers); 45 server starts, ~45 minutes on the quiet 2-core
 # machine; then the tables, target checks and plots.
 # Results: runs/quality.json, runs/quality-qw.json, runs/quality.md, docs/img/quality-*.png.
-QUALITY_MODEL ?= sglang_unicache/checkpoints/tiny-vqa-qwen2-vl
+QUALITY_MODEL ?= assets/checkpoints/tiny-vqa-qwen2-vl
 quality: setup
 	$(VENV)/bin/pip install -q -e '.[test,bench]'
-	$(PY) benchmarks/quality/eval_serving.py --model $(QUALITY_MODEL) \
+	$(PY) -m benchmarks.quality.eval_serving --model $(QUALITY_MODEL) \
 		--methods full,random,knorm,h2o,snapkv,pyramidkv,aircache,unicache \
 		--ratios 0.01,0.05,0.1,0.25,0.5 --settings reuse,long --images 30 --transformers-check 40 \
 		--out runs/quality.json
-	$(PY) benchmarks/quality/eval_serving.py --model $(QUALITY_MODEL) --methods unicache \
+	$(PY) -m benchmarks.quality.eval_serving --model $(QUALITY_MODEL) --methods unicache \
 		--ratios 0.01,0.05,0.1,0.25,0.5 --settings reuse,long --images 30 \
 		--set query_weight=0.6 --set anchor_fraction=0.05 --label=-qw0.6 --out runs/quality-qw.json
-	$(PY) benchmarks/quality/eval_serving.py --model $(QUALITY_MODEL) --methods unicache \
+	$(PY) -m benchmarks.quality.eval_serving --model $(QUALITY_MODEL) --methods unicache \
 		--ratios 0.01,0.05,0.1,0.25 --settings reuse,long --images 30 --selfcheck on \
 		--label=-shipped --out runs/quality-shipped.json
-	$(PY) benchmarks/quality/report.py runs/quality.json runs/quality-qw.json \
+	$(PY) -m benchmarks.quality.report runs/quality.json runs/quality-qw.json \
 		runs/quality-shipped.json --plot-dir docs/img --markdown runs/quality.md
 
 # What the self-check predicts (issue 13, docs/selfcheck.md): every statistic recorded per image
 # for every method at keep 5/10/25% in the reuse setting, against harm to later answers.
 # 22 server starts, ~45 minutes on the quiet 2-core machine.
 selfcheck-study: setup
-	$(PY) benchmarks/quality/eval_serving.py --model $(QUALITY_MODEL) \
+	$(PY) -m benchmarks.quality.eval_serving --model $(QUALITY_MODEL) \
 		--methods full,unicache,aircache,snapkv,h2o,pyramidkv,knorm,random --ratios 0.05,0.1,0.25 \
 		--settings reuse --images 30 --selfcheck record --out runs/selfcheck-study.json
-	$(PY) benchmarks/quality/selfcheck_study.py runs/selfcheck-study.json \
+	$(PY) -m benchmarks.quality.selfcheck_study runs/selfcheck-study.json \
 		--markdown runs/selfcheck-study.md

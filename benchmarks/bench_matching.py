@@ -12,7 +12,7 @@ Every scheduling round re-matches every waiting request and publishes the gauge
 This builds SGLang's radix cache on a real pool with many cached compressed spans, and waiting
 requests that each reuse one of them, and times both, before and after.
 
-    python benchmarks/bench_matching.py --spans 2000 --waiting 64
+    python -m benchmarks.bench_matching --spans 2000 --waiting 64
 """
 
 from __future__ import annotations

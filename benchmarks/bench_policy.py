@@ -4,7 +4,7 @@ Shape: 28 layers, 4 KV heads (28 query heads, GQA group 7), head_dim 128, 4 imag
 + 256 text tokens, observation window 32, keep ratio 0.1. Random K/V, so quality numbers mean
 nothing here; only time and bytes do.
 
-    python benchmarks/bench_policy.py --reps 3 --dtype bf16
+    python -m benchmarks.bench_policy --reps 3 --dtype bf16
 """
 
 from __future__ import annotations

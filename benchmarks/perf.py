@@ -12,8 +12,8 @@ estimated.
 
 3, 4 and 6 (workload, decode, concurrency: the serving workload) are in ``perf_workload.py``.
 
-    python benchmarks/perf.py --out runs/perf.json          # all parts: 16 minutes, 2 quiet cores
-    python benchmarks/perf.py --parts memory,capacity,overhead   # ~7 minutes
+    python -m benchmarks.perf --out runs/perf.json          # all parts: 16 minutes, 2 quiet cores
+    python -m benchmarks.perf --parts memory,capacity,overhead   # ~7 minutes
 """
 
 from __future__ import annotations
@@ -24,17 +24,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from perf_workload import concurrency, decode, streaming, workload
-
-from sglang_unicache.testing.client import (
+from benchmarks.perf_workload import concurrency, decode, streaming, workload
+from tests.support.client import (
     available_slots,
     chat,
     flush_cache,
     internal_state,
 )
-from sglang_unicache.testing.images import image_chat, solid_png
-from sglang_unicache.testing.server import start_server
-from sglang_unicache.testing.tiny_vlm import build_tiny_qwen2_vl
+from tests.support.images import image_chat, solid_png
+from tests.support.server import start_server
+from tests.support.tiny_vlm import build_tiny_qwen2_vl
 
 IMAGE_SIZE = 448  # 256 visual tokens per image
 # The decode part reads 8 x 4,100 tokens of KV per step. On the 2-layer, 64-wide model that is

@@ -11,7 +11,7 @@ dispatches here.
 6. concurrency: the largest batch of distinct-image requests that decodes together in a fixed
    pool without retraction.
 
-    python benchmarks/perf.py --parts workload,decode,concurrency --out runs/perf-workload.json
+    python -m benchmarks.perf --parts workload,decode,concurrency --out runs/perf-workload.json
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import time
 from functools import partial
 from pathlib import Path
 
-from sglang_unicache.testing.client import chat, flush_cache, internal_state, stream_chat
-from sglang_unicache.testing.images import data_url, image_chat, solid_png
-from sglang_unicache.testing.server import start_server
+from tests.support.client import chat, flush_cache, internal_state, stream_chat
+from tests.support.images import data_url, image_chat, solid_png
+from tests.support.server import start_server
 
 IMAGE_TOKENS = 256  # a 448 px image on the tiny model
 QUESTIONS = ["what colour is it?", "describe the picture", "how many shapes are there?"]

@@ -67,104 +67,127 @@ def _int_range(name: str, value: Any, low: int, high: int) -> None:
         )
 
 
+def doc(default: Any, meaning: str = "", *, section: str | None = None) -> Any:
+    """A field with its default, its one-line meaning and, on the first field of a group, the
+    group's title: the configuration reference (``docs/configuration.md``, rendered by
+    ``tools/config_doc.py``) is made from these, one section per group, in field order."""
+    metadata = {"doc": meaning} if section is None else {"doc": meaning, "section": section}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
 @dataclass(frozen=True)
 class UniCacheConfig:
-    """Every policy parameter with its seed default. Shapes/units are in the field comments.
+    """Every policy parameter with its seed default. Shapes/units are in each field's ``doc``.
 
     Source: UniCache seed §8.1 (defaults), §8.2 (presets); AirCache seed (alpha); SnapKV, PyramidKV,
     H2O papers for the baselines. Fields marked "ours" have no seed value.
     """
 
-    # -- what to run ---------------------------------------------------------------------------
-    method: str = "unicache"  # a registered method (``registry.known_methods()``)
-    keep_ratio: float = 0.1  # fraction of an image span's KV kept, (0, 1]
-    min_image_tokens: int = 16  # spans shorter than this are left uncompressed (ours)
-    preset: str = "default"  # seed §8.2 scenario; applied by from_mapping/preset()
-    scorer: str | None = None  # override the method's scorer (composition), None = method default
-    budget: str | None = None  # override the method's layer budget
-    reducer: str | None = None  # override the method's reducer (evict / merge)
-    seed: int = 0  # random baseline seed
+    method: str = doc(
+        "unicache", "a registered method (``registry.known_methods()``)", section="what to run"
+    )
+    keep_ratio: float = doc(0.1, "fraction of an image span's KV kept, (0, 1]")
+    min_image_tokens: int = doc(16, "spans shorter than this are left uncompressed (ours)")
+    preset: str = doc("default", "seed §8.2 scenario; applied by from_mapping/preset()")
+    scorer: str | None = doc(
+        None, "override the method's scorer (composition), None = method default"
+    )
+    budget: str | None = doc(None, "override the method's layer budget")
+    reducer: str | None = doc(None, "override the method's reducer (evict / merge)")
+    seed: int = doc(0, "random baseline seed")
 
-    # -- observation window / attention statistics -------------------------------------------
-    observation_window: int = 32  # W last prompt queries the engine captures (SnapKV default 32)
-    stats_chunk: int = 8192  # key columns per statistics chunk; peak temp Hq*W*chunk*4 B (ours)
-    pool_kernel: int = 7  # SnapKV max-pool kernel over tokens (odd)
+    observation_window: int = doc(
+        32,
+        "W last prompt queries the engine captures (SnapKV default 32)",
+        section="observation window / attention statistics",
+    )
+    stats_chunk: int = doc(
+        8192, "key columns per statistics chunk; peak temp Hq*W*chunk*4 B (ours)"
+    )
+    pool_kernel: int = doc(7, "SnapKV max-pool kernel over tokens (odd)")
 
-    # -- UniCache importance s = w_a a + w_c c - w_d d + w_r r (seed §4.2, §2.3) ------------------
-    w_attention: float = 0.4
+    w_attention: float = doc(
+        0.4, section="UniCache importance s = w_a a + w_c c - w_d d + w_r r (seed §4.2, §2.3)"
+    )
     w_cross: float = 0.3
     w_redundancy: float = 0.2
     w_recency: float = 0.1
-    layer_dependent_weights: bool = True  # seed §4.3: shallow w_d up, deep w_a up
+    layer_dependent_weights: bool = doc(True, "seed §4.3: shallow w_d up, deep w_a up")
     shallow_w_redundancy: float = 0.3
     deep_w_attention: float = 0.5
-    redundancy_window: int = 4  # k neighbours each side, seed §4.2 says 4-8
+    redundancy_window: int = doc(4, "k neighbours each side, seed §4.2 says 4-8")
     # Query robustness (DESIGN §5, ours): blend of question-dependent attention with
     # question-independent saliency (low key norm). Defaults from the reuse benchmark
     # (BENCHMARKS.md): the first question's attention alone served later questions best at every
     # keep ratio (0.6 / 0.05 cost 5-9 points).
-    query_weight: float = 1.0  # 1.0 = purely driven by the first question (the seed's formula)
-    anchor_fraction: float = 0.0  # fraction of each budget on evenly spaced spatial anchors
+    query_weight: float = doc(1.0, "1.0 = purely driven by the first question (the seed's formula)")
+    anchor_fraction: float = doc(0.0, "fraction of each budget on evenly spaced spatial anchors")
 
-    # -- head merging (seed §3) ----------------------------------------------------------------
-    head_merge: bool = False  # off in the engine path: cannot shrink an MHA pool (DESIGN §5)
+    head_merge: bool = doc(
+        False,
+        "off in the engine path: cannot shrink an MHA pool (DESIGN §5)",
+        section="head merging (seed §3)",
+    )
     head_merge_threshold: float = 0.88
 
-    # -- layer rate curve (seed §4.3) ----------------------------------------------------------
-    shallow_rate: float = 0.75  # compression rate of the first layer
-    deep_rate: float = 0.45  # compression rate of the last layer
+    shallow_rate: float = doc(
+        0.75, "compression rate of the first layer", section="layer rate curve (seed §4.3)"
+    )
+    deep_rate: float = doc(0.45, "compression rate of the last layer")
 
-    # -- modality budgets (seed §5.2); used only when compress_text is on --------------------
-    compress_text: bool = False  # text tokens are kept unless this is on (library use only)
-    modality_allocation: str = "density"  # density (seed §5.2) or fixed (visual/text_rate)
-    visual_rate: float = 0.70  # §8.1 visual compression rate (fixed allocation)
-    text_rate: float = 0.25  # §8.1 text compression rate (fixed allocation)
+    compress_text: bool = doc(
+        False,
+        "text tokens are kept unless this is on (library use only)",
+        section="modality budgets (seed §5.2); used only when compress_text is on",
+    )
+    modality_allocation: str = doc("density", "density (seed §5.2) or fixed (visual/text_rate)")
+    visual_rate: float = doc(0.70, "§8.1 visual compression rate (fixed allocation)")
+    text_rate: float = doc(0.25, "§8.1 text compression rate (fixed allocation)")
     visual_rate_cap: float = 0.8
     text_rate_cap: float = 0.4
 
-    # -- alignment protection (seed §5.3) ------------------------------------------------------
-    protect_alignment: bool = True
+    protect_alignment: bool = doc(True, section="alignment protection (seed §5.3)")
     alignment_threshold: float = 0.3
     alignment_discount: float = 0.5
 
-    # -- execution (seed §6) -------------------------------------------------------------------
-    merge_threshold: float = 0.8  # redundancy above this -> merged into a kept entry
-    evict_low: float = 0.5  # lower edge of the evict band; also min similarity to merge
-    evict_high: float = 0.8  # upper edge of the evict band
-    quantization: str = "off"  # seed §8.1 says int8; off by default (SGLang pool has one dtype)
-    layer_fill: str = "none"  # "next": pad every layer to physical_slots with next-best tokens
+    merge_threshold: float = doc(
+        0.8, "redundancy above this -> merged into a kept entry", section="execution (seed §6)"
+    )
+    evict_low: float = doc(0.5, "lower edge of the evict band; also min similarity to merge")
+    evict_high: float = doc(0.8, "upper edge of the evict band")
+    quantization: str = doc(
+        "off", "seed §8.1 says int8; off by default (SGLang pool has one dtype)"
+    )
+    layer_fill: str = doc("none", '"next": pad every layer to physical_slots with next-best tokens')
 
-    # -- self-check and dynamic rate (seed §7.1, §7.2) -----------------------------------------
     # The statistic and threshold come from docs/selfcheck.md: the seed's KL predicted best that
     # a reused compressed image answers later questions differently (AUC 0.885), and 0.9
     # separated harmed from unharmed images best; the seed's 0.1 vetoed every image.
-    selfcheck: bool = True
-    selfcheck_statistic: str = "kl"  # what the check compares (checks/selfcheck.py)
-    selfcheck_threshold: float = 0.9  # above it the check fails (seed: 0.1, docs/selfcheck.md)
-    selfcheck_layers: int = 2  # last layers checked
+    selfcheck: bool = doc(True, section="self-check and dynamic rate (seed §7.1, §7.2)")
+    selfcheck_statistic: str = doc("kl", "what the check compares (checks/selfcheck.py)")
+    selfcheck_threshold: float = doc(0.9, "above it the check fails (seed: 0.1, docs/selfcheck.md)")
+    selfcheck_layers: int = doc(2, "last layers checked")
     # A failed check doubles the keep ratio up to this cap (re-planned from the same scores)
     # before the request falls back to its full KV; <= keep_ratio means no escalation (ours).
-    escalate_max_keep: float = 0.4  # a failed check doubles keep up to this, then full KV
-    dynamic_rate: bool = False  # derive the keep ratio from input complexity (§7.2)
+    escalate_max_keep: float = doc(0.4, "a failed check doubles keep up to this, then full KV")
+    dynamic_rate: bool = doc(False, "derive the keep ratio from input complexity (§7.2)")
     complexity_lambda: float = 2.0
     dynamic_rate_min: float = 0.4
     dynamic_rate_max: float = 0.75
-    complexity_low: float = 8.0  # complexity mapped to dynamic_rate_max (ours)
-    complexity_high: float = 18.0  # complexity mapped to dynamic_rate_min (ours)
+    complexity_low: float = doc(8.0, "complexity mapped to dynamic_rate_max (ours)")
+    complexity_high: float = doc(18.0, "complexity mapped to dynamic_rate_min (ours)")
 
-    # -- re-compression under memory pressure (issue 5, ours) ---------------------------------
     # Before the radix cache evicts a cached compressed span, it shrinks it to this fraction of
     # its entries (lowest selection priority dropped, protected entries kept), down to a floor
     # of recompress_floor x the original span length; only a span at its floor is evicted.
-    recompress: bool = True
+    recompress: bool = doc(True, section="re-compression under memory pressure (issue 5, ours)")
     recompress_factor: float = 0.5
     recompress_floor: float = 0.02
 
-    # -- AirCache (seed 001) and baselines -----------------------------------------------------
-    aircache_alpha: float = 0.9
-    aircache_floor: float = 0.1  # added to normalised layer scores before rescaling (ours)
-    pyramid_beta: float = 20.0  # PyramidKV: top layer gets average/beta
-    h2o_recent_fraction: float = 0.5  # H2O: share of the budget for recent tokens
+    aircache_alpha: float = doc(0.9, section="AirCache (seed 001) and baselines")
+    aircache_floor: float = doc(0.1, "added to normalised layer scores before rescaling (ours)")
+    pyramid_beta: float = doc(20.0, "PyramidKV: top layer gets average/beta")
+    h2o_recent_fraction: float = doc(0.5, "H2O: share of the budget for recent tokens")
 
     def __post_init__(self) -> None:
         from .registry import known  # the catalog of parts (it imports this module)

@@ -35,7 +35,7 @@ def pytest_collection_modifyitems(items) -> None:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A deterministic random Qwen2-VL (64 visual tokens per 224 px image)."""
-    from sglang_unicache.testing.tiny_vlm import build_tiny_qwen2_vl
+    from tests.support.tiny_vlm import build_tiny_qwen2_vl
 
     # "qwen2-vl" in the path lets SGLang's frontend pick the Qwen2-VL chat template.
     return build_tiny_qwen2_vl(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl")
@@ -53,7 +53,7 @@ def server_factory(tiny_model):
     At most ``MAX_LIVE_SERVERS`` run at once: starting another stops the least recently used
     (a later test that needs it again starts it anew).
     """
-    from sglang_unicache.testing.server import start_server
+    from tests.support.server import start_server
 
     servers: OrderedDict = OrderedDict()
 
@@ -79,7 +79,7 @@ def server_factory(tiny_model):
 def assert_integrity(server) -> None:
     """The plugin's ``check_integrity`` (slots in exactly one place, span metadata on live
     nodes), read through ``/server_info``."""
-    from sglang_unicache.testing.client import internal_state
+    from tests.support.client import internal_state
 
     assert internal_state(server)["unicache"]["integrity"] == []
 

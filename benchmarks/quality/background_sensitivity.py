@@ -20,8 +20,8 @@ questions, like one compressed span):
 Prints accuracy per question type (rows) and condition (columns), and for counting questions the
 mean signed error (answer - truth: > 0 is over-counting); writes everything as JSON.
 
-    python benchmarks/quality/background_sensitivity.py \\
-        --model sglang_unicache/checkpoints/tiny-grid-qwen2-vl --images 50 \\
+    python -m benchmarks.quality.background_sensitivity \\
+        --model assets/checkpoints/tiny-grid-qwen2-vl --images 50 \\
         --out runs/background-sensitivity-grid.json
 """
 
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_unicache.eval.vqa_data import NUMBERS, VQAItem, default_qtypes, make_split
+from benchmarks.quality.vqa_data import NUMBERS, VQAItem, default_qtypes, make_split
 
 COUNT_QTYPES = ("count_row", "empty_row", "count_all", "count_colour")
 
@@ -155,7 +155,7 @@ def drop_set(item: VQAItem, kind: str, fraction: float, seed: int) -> set[int]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="sglang_unicache/checkpoints/tiny-grid-qwen2-vl")
+    p.add_argument("--model", default="assets/checkpoints/tiny-grid-qwen2-vl")
     p.add_argument("--task", default=None, help="default: the checkpoint's training task")
     p.add_argument("--grid", type=int, default=None, help="default: the checkpoint's grid")
     p.add_argument("--images", type=int, default=50)
@@ -186,7 +186,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     runner = Runner(args.model)
     if args.verify:
-        from sglang_unicache.eval.hf_reference import hf_answers
+        from benchmarks.quality.hf_reference import hf_answers
 
         ref = hf_answers(args.model, items[:args.verify], max_new_tokens=args.max_new_tokens)
     rows = []

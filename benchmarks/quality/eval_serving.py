@@ -18,12 +18,12 @@ reuse setting look at other regions than the one that compressed the image; its 
 asks "Which colours are in row R?").
 
 ``--transformers-check N`` first answers the first N scored items of each setting with the same
-checkpoint through plain transformers (:mod:`sglang_unicache.eval.hf_reference`) and
+checkpoint through plain transformers (:mod:`benchmarks.quality.hf_reference`) and
 stores them as method ``transformers`` (keep ratio 1.0), to compare with the server's ``full``.
 Every setting's score also lists ``correct`` per item, in item order, so the two can be compared
 on the same items (``benchmarks/quality/report.py`` does).
 
-    python benchmarks/quality/eval_serving.py --model runs/tiny-vqa-qwen2-vl \\
+    python -m benchmarks.quality.eval_serving --model runs/tiny-vqa-qwen2-vl \\
         --methods full,random,knorm,snapkv,unicache --ratios 0.1 --images 40 --out runs/q.json \\
         --transformers-check 40
 """
@@ -37,7 +37,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from sglang_unicache.eval.vqa_data import (
+from benchmarks.quality.vqa_data import (
     DEFAULT_QTYPES,
     GRID_LONG_ANSWER_QTYPES,
     GRID_QTYPES,
@@ -45,9 +45,9 @@ from sglang_unicache.eval.vqa_data import (
     TASKS,
     make_split,
 )
-from sglang_unicache.testing.client import answer, chat, flush_cache, internal_state
-from sglang_unicache.testing.images import data_url
-from sglang_unicache.testing.server import start_server
+from tests.support.client import answer, chat, flush_cache, internal_state
+from tests.support.images import data_url
+from tests.support.server import start_server
 
 # Every default question type, long answers included (scored on the whole answer).
 REUSE_QTYPES = DEFAULT_QTYPES
@@ -155,17 +155,25 @@ def run_long(server, images: int, seed: int, grid: int, task: str = "vqa") -> di
     return score(rows)
 
 
-def run_transformers(args, settings: list[str]) -> dict:
+def run_transformers(args, settings: list[str], method: str = "full", ratio: float = 1.0,
+                     policy: dict | None = None) -> dict:
     """The ``transformers`` entry: the first ``args.transformers_check`` scored items of each
-    setting, answered by the checkpoint through transformers with the server's token limits."""
-    from sglang_unicache.eval.hf_reference import hf_answers
+    setting, answered by the checkpoint through transformers with the server's token limits.
+    With a method other than ``full``, only the ``long`` setting (each question its own first
+    request) and through ``sglang_unicache.press``: entry ``transformers-<method>``."""
+    from benchmarks.quality.hf_reference import hf_answers
+    from sglang_unicache.config import UniCacheConfig
 
     n = args.transformers_check
     start = time.perf_counter()
-    entry = {"method": "transformers", "keep_ratio": 1.0, "items_per_setting": n,
-             "task": args.task}
+    press = None
+    if method != "full":
+        press = UniCacheConfig.from_mapping({**(policy or {}), "method": method,
+                                             "keep_ratio": ratio})
+    entry = {"method": "transformers" if press is None else f"transformers-{method}",
+             "keep_ratio": ratio, "items_per_setting": n, "task": args.task}
     jobs = []
-    if "reuse" in settings:
+    if "reuse" in settings and press is None:
         scored = [it for it in reuse_items(args.images, args.questions, args.seed, args.grid,
                                            args.task)
                   if it.question_index >= 1]
@@ -174,7 +182,7 @@ def run_transformers(args, settings: list[str]) -> dict:
         jobs.append(("long", long_items(args.images, args.seed, args.grid, args.task)[:n],
                      MAX_TOKENS))
     for setting, items, max_tokens in jobs:
-        answers = hf_answers(args.model, items, max_new_tokens=max_tokens)
+        answers = hf_answers(args.model, items, max_new_tokens=max_tokens, press=press)
         entry[setting] = score([{"qtype": it.qtype, "correct": got == it.answer}
                                 for it, got in zip(items, answers, strict=True)])
     entry["seconds"] = round(time.perf_counter() - start, 1)
@@ -200,6 +208,10 @@ def main() -> None:
     parser.add_argument("--transformers-check", type=int, default=0, metavar="N",
                         help="before serving, score the first N scored items of each setting "
                              "with transformers (method 'transformers'); 0 skips it")
+    parser.add_argument("--transformers-methods", default="", metavar="M1,M2",
+                        help="with --transformers-check: also answer the long setting through "
+                             "sglang_unicache.press with each method at each ratio (the same "
+                             "policy config as the servers), entries 'transformers-<method>'")
     parser.add_argument("--selfcheck", choices=("off", "on", "record"), default="off",
                         help="off: score the method itself; on: the shipped self-check (and its "
                              "escalation); record: compute every self-check statistic but never "
@@ -241,7 +253,14 @@ def main() -> None:
                               if isinstance(val, dict) else val) for k, val in entry.items()}),
               flush=True)
         save()
-    for method in args.methods.split(","):
+        for method in filter(None, args.transformers_methods.split(",")):
+            for ratio in args.ratios.split(","):
+                results.append(run_transformers(args, ["long"], method, float(ratio),
+                                                {**check, **extra}))
+                print(json.dumps({k: v for k, v in results[-1].items() if k != "long"}
+                                 | {"long": results[-1]["long"]["accuracy"]}), flush=True)
+                save()
+    for method in filter(None, args.methods.split(",")):
         ratios = ["1.0"] if method == "full" else args.ratios.split(",")
         for ratio in ratios:
             flags = ["--unicache", "--unicache-method", method, "--unicache-keep-ratio", ratio,

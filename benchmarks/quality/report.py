@@ -12,7 +12,7 @@ writes, per setting (``reuse``, ``long``):
 
 Missing settings, methods or ratios show as ``-`` and their checks as ``n/a``.
 
-    python benchmarks/quality/report.py runs/quality.json --markdown runs/quality.md \\
+    python -m benchmarks.quality.report runs/quality.json --markdown runs/quality.md \\
         --plot-dir docs/img
 """
 

@@ -8,7 +8,7 @@ right is answered wrong. For each statistic this prints the ROC AUC of predictin
 chance), and for a grid of thresholds the share of images that pass and the accuracy of the later
 answers of the images above and below it.
 
-    python benchmarks/quality/selfcheck_study.py runs/selfcheck-study.json --markdown out.md
+    python -m benchmarks.quality.selfcheck_study runs/selfcheck-study.json --markdown out.md
 
 It also prints Youden's J (true-positive rate - false-positive rate for "harmed") of each
 statistic at each threshold, the criterion the default threshold is chosen by.

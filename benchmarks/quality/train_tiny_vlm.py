@@ -12,10 +12,10 @@ Validation accuracy is greedy exact match, computed in one teacher-forced pass: 
 reproduces the answer and stops iff at every answer position the argmax is the next answer token
 (``<|im_end|>`` last). The saved checkpoint has the layout ``build_tiny_qwen2_vl`` writes.
 
-    python benchmarks/quality/train_tiny_vlm.py --out runs/tiny-vqa-qwen2-vl --steps 3000
+    python -m benchmarks.quality.train_tiny_vlm --out runs/tiny-vqa-qwen2-vl --steps 3000
 
 ``--task grid`` trains on the second task (positional and background questions, see
-:mod:`sglang_unicache.eval.vqa_data`); there the auxiliary loss also classifies each merged
+:mod:`benchmarks.quality.vqa_data`); there the auxiliary loss also classifies each merged
 token's row and column (``--aux-position``), so the vision side reads the coordinate shading.
 ``--attn-weight`` adds attention supervision: at the question's last number word (the row of a
 row question, the column of a cell question; ``--attn-query``), heads ``--attn-heads`` of layer
@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sglang_unicache.eval.hf_reference import hf_answers
-from sglang_unicache.eval.vqa_data import (
+from benchmarks.quality.hf_reference import hf_answers
+from benchmarks.quality.vqa_data import (
     COLOURS,
     NUMBERS,
     SHAPES,
@@ -54,7 +54,7 @@ from sglang_unicache.eval.vqa_data import (
     iter_items,
     make_split,
 )
-from sglang_unicache.testing.tiny_vlm import (
+from tests.support.tiny_vlm import (
     CHAT_TEMPLATE,
     build_config,
     build_tokenizer,

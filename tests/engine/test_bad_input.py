@@ -9,7 +9,7 @@ import pytest
 import requests
 from PIL import Image
 
-from sglang_unicache.testing.images import image_chat, solid_png
+from tests.support.images import image_chat, solid_png
 
 
 def body_with_url(url: str) -> dict:

@@ -8,7 +8,8 @@ import re
 import pytest
 import requests
 
-from sglang_unicache.testing.client import (
+from tests.conftest import KEEP, KEPT
+from tests.support.client import (
     answer,
     available_slots,
     chat,
@@ -16,8 +17,7 @@ from sglang_unicache.testing.client import (
     flush_cache,
     internal_state,
 )
-from sglang_unicache.testing.images import data_url, image_chat, solid_png
-from tests.conftest import KEEP, KEPT
+from tests.support.images import data_url, image_chat, solid_png
 
 IMAGE_TOKENS = 64
 

@@ -6,15 +6,18 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
-from sglang_unicache.testing.server import cpu_env
+from tests.support.server import cpu_env
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_demo_reports_savings_and_reuse(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "sglang_unicache.demo", "--images", "2", "--turns", "2",
+        [sys.executable, "-m", "examples.demo", "--images", "2", "--turns", "2",
          "--log-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, env=cpu_env(),
+        capture_output=True, text=True, timeout=600, env=cpu_env(), cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout

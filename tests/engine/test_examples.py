@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from examples import agent_screenshot, offline_batch, sgl_multiturn
-from sglang_unicache.testing.client import answer, chat, flush_cache, internal_state
-from sglang_unicache.testing.images import data_url, solid_png
 from tests.conftest import KEPT
+from tests.support.client import answer, chat, flush_cache, internal_state
+from tests.support.images import data_url, solid_png
 
 
 def test_sgl_multiturn_reuses_the_image(compressing, tmp_path):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sglang_unicache.testing.server import cpu_env
+from tests.support.server import cpu_env
 
 
 @pytest.fixture(scope="module")

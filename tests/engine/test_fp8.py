@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_unicache.testing.client import answer, chat, flush_cache, internal_state
-from sglang_unicache.testing.images import image_chat, solid_png
 from tests.conftest import KEPT, assert_integrity
+from tests.support.client import answer, chat, flush_cache, internal_state
+from tests.support.images import image_chat, solid_png
 
 
 @pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])

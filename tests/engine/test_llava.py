@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 
 from sglang_unicache.config import UniCacheConfig
-from sglang_unicache.testing.client import answer, chat, internal_state
-from sglang_unicache.testing.images import image_chat, solid_png
-from sglang_unicache.testing.reference import (
+from tests.engine.test_reference import kept_entries
+from tests.support.client import answer, chat, internal_state
+from tests.support.images import image_chat, solid_png
+from tests.support.reference import (
     greedy_with_pruned_cache,
     image_span,
     load,
     prompt_inputs,
 )
-from tests.engine.test_reference import kept_entries
 
 KEEP = 0.25
 NEW_TOKENS = 10
@@ -24,15 +24,15 @@ WARM = "what colour is it?"  # the question that compresses an image before it i
 
 @pytest.fixture(scope="module")
 def llava_model(tmp_path_factory):
-    from sglang_unicache.testing.tiny_llava import build_tiny_llava
+    from tests.support.tiny_llava import build_tiny_llava
 
     return build_tiny_llava(tmp_path_factory.mktemp("models") / "tiny-llava")
 
 
 @pytest.fixture(scope="module")
 def llava_server(llava_model, nocheck_config):
-    from sglang_unicache.testing.server import start_server
     from tests.conftest import LOG_DIR
+    from tests.support.server import start_server
 
     server = start_server(llava_model, [
         "--unicache", "--unicache-method", "random", "--unicache-keep-ratio", str(KEEP),

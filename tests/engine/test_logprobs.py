@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import requests
 
-from sglang_unicache.testing.client import flush_cache, internal_state
-from sglang_unicache.testing.images import data_url, solid_png
+from tests.support.client import flush_cache, internal_state
+from tests.support.images import data_url, solid_png
 
 
 @pytest.fixture(scope="module")

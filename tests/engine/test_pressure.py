@@ -8,8 +8,8 @@ import re
 import pytest
 import requests
 
-from sglang_unicache.testing.client import available_slots, chat, flush_cache, internal_state
-from sglang_unicache.testing.images import image_chat, solid_png
+from tests.support.client import available_slots, chat, flush_cache, internal_state
+from tests.support.images import image_chat, solid_png
 
 POOL = 400  # ~5 uncompressed 64-token image prompts
 IMAGE_TOKENS = 64

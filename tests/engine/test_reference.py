@@ -9,15 +9,15 @@ import torch
 
 from sglang_unicache.config import UniCacheConfig
 from sglang_unicache.registry import build_method
-from sglang_unicache.testing.client import answer, chat
-from sglang_unicache.testing.images import image_chat, solid_png
-from sglang_unicache.testing.reference import (
+from sglang_unicache.types import ImageSpan, ScoreInputs
+from tests.support.client import answer, chat
+from tests.support.images import image_chat, solid_png
+from tests.support.reference import (
     greedy_with_pruned_cache,
     image_span,
     load,
     prompt_inputs,
 )
-from sglang_unicache.types import ImageSpan, ScoreInputs
 
 KEEP = 0.25
 NEW_TOKENS = 10
@@ -67,7 +67,7 @@ def test_reused_span_tokens_equal_the_prune_then_prefill_reference(random_server
     """Request 2 asks another question about request 1's image: its question is prefilled on the
     compressed span from the tree. The reference prefills the shared prefix in full (as request 1
     did), prunes the image to the same kept set, then prefills request 2's own tokens."""
-    from sglang_unicache.testing.client import internal_state
+    from tests.support.client import internal_state
 
     model, processor = load(tiny_model)
     text = model.config.text_config

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from sglang_unicache.testing.client import available_slots, chat, flush_cache, internal_state
-from sglang_unicache.testing.images import image_chat, solid_png
 from tests.conftest import KEPT
+from tests.support.client import available_slots, chat, flush_cache, internal_state
+from tests.support.images import image_chat, solid_png
 
 IMAGE_TOKENS = 64
 TEXT_BEFORE_IMAGE = 4  # "<|im_start|>user\n<|vision_start|>"
@@ -82,7 +82,7 @@ def test_reuse_churn_leaks_nothing(compressing):
 
 
 def test_concurrent_requests_with_one_image_share_one_span(compressing):
-    from sglang_unicache.testing.client import chat_all
+    from tests.support.client import chat_all
 
     flush_cache(compressing)
     baseline = available_slots(compressing)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import requests
 
-from sglang_unicache.testing.client import flush_cache, internal_state
-from sglang_unicache.testing.images import data_url, solid_png
 from tests.engine.test_logprobs import prompt_of  # noqa: F401
+from tests.support.client import flush_cache, internal_state
+from tests.support.images import data_url, solid_png
 
 NEXT_TURN = "<|im_end|>\n<|im_start|>user\nwhat shape is it?<|im_end|>\n<|im_start|>assistant\n"
 

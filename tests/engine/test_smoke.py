@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import requests
 
-from sglang_unicache.testing.images import image_chat, solid_png
+from tests.support.images import image_chat, solid_png
 
 IMAGE_TOKENS = 64  # 224 px image, 14 px patches, 2x2 merge
 

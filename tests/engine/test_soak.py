@@ -20,8 +20,8 @@ import random
 
 import requests
 
-from sglang_unicache.testing.client import available_slots, flush_cache, internal_state
-from sglang_unicache.testing.images import data_url, solid_png
+from tests.support.client import available_slots, flush_cache, internal_state
+from tests.support.images import data_url, solid_png
 
 REQUESTS = int(os.environ.get("UNICACHE_SOAK_REQUESTS", "120"))
 SEED = int(os.environ.get("UNICACHE_SOAK_SEED", "0"))

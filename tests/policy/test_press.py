@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.quality.vqa_data import make_split
 from sglang_unicache.config import UniCacheConfig
 from sglang_unicache.press import compress, image_spans
 from sglang_unicache.registry import build_method
@@ -16,14 +17,12 @@ from sglang_unicache.types import ScoreInputs
 
 transformers = pytest.importorskip("transformers")
 
-CHECKPOINT = Path(__file__).parents[2] / "sglang_unicache" / "checkpoints" / "tiny-vqa-qwen2-vl"
+CHECKPOINT = Path(__file__).parents[2] / "assets" / "checkpoints" / "tiny-vqa-qwen2-vl"
 
 
 @pytest.fixture(scope="module")
 def vlm():
     from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
-
-    from sglang_unicache.eval.vqa_data import make_split
 
     processor = AutoProcessor.from_pretrained(CHECKPOINT)
     model = Qwen2VLForConditionalGeneration.from_pretrained(

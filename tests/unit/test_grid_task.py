@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sglang_unicache.eval.vqa_data import (
+from benchmarks.quality.vqa_data import (
     CELL,
     COLOURS,
     GRID_LONG_ANSWER_QTYPES,
@@ -27,7 +27,7 @@ from sglang_unicache.eval.vqa_data import (
 )
 
 GRID = 8  # the grid of both trained checkpoints (224 px, 64 visual tokens)
-CHECKPOINTS = Path(__file__).resolve().parents[2] / "sglang_unicache" / "checkpoints"
+CHECKPOINTS = Path(__file__).resolve().parents[2] / "assets" / "checkpoints"
 
 
 def _digest(items) -> str:

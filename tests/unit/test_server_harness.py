@@ -11,7 +11,7 @@ import time
 import pytest
 import requests
 
-from sglang_unicache.testing import server as harness
+from tests.support import server as harness
 
 HEALTH_SERVER = """
 import sys, http.server

@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from sglang_unicache.eval.vqa_data import (
+from benchmarks.quality.vqa_data import (
     CELL,
     COLOURS,
     DEFAULT_QTYPES,
@@ -161,7 +161,7 @@ def test_questions_per_image(items):
 
 
 def test_unaskable_returns_none():
-    from sglang_unicache.eval.vqa_data import Scene, SceneObject
+    from benchmarks.quality.vqa_data import Scene, SceneObject
 
     scene = Scene(grid=4, objects=(SceneObject(0, 0, "red", "circle"),
                                    SceneObject(1, 1, "red", "circle")), texture_seed=1)

@@ -5,7 +5,7 @@ a byte-level BPE tokenizer trained on a small built-in corpus, Qwen2-VL's specia
 template, an image processor config and random weights from a fixed seed. SGLang serves it with
 its real ``Qwen2VLForConditionalGeneration`` code.
 
-    python -m sglang_unicache.testing.tiny_vlm OUT_DIR [--image-size 224]
+    python -m tests.support.tiny_vlm OUT_DIR [--image-size 224]
 """
 
 from __future__ import annotations

@@ -1,15 +1,18 @@
 """The main job: serve the bundled VLM on CPU with ``--unicache`` and run a multi-turn image chat.
 
-    python -m sglang_unicache.demo [--model PATH] [--images 4] [--turns 3] [--keep-ratio 0.1]
+    python -m examples.demo [--model PATH] [--images 4] [--turns 3] [--keep-ratio 0.1]
+
+Run it from the repository root (``make demo`` does): it uses the server harness of
+``tests/support`` and the visual-QA task of ``benchmarks/quality``, which the wheel does not ship.
 
 It starts the real SGLang server on the ``unicache_cpu`` platform twice on the bundled checkpoint
-(a tiny Qwen2-VL trained on the synthetic visual-QA task, ``sglang_unicache/checkpoints``): once
-without compression (``--unicache-method full``, token-identical to stock SGLang) and once with
-``--unicache``. Each runs the same conversations: one per image, the image in the first turn, a
-new question every turn, the whole history re-sent each time (as chat clients do), so turns 2..N
-reuse the cached image. The compressing server runs the shipped defaults (the self-check and its
-escalation included, no config file). It prints the answers, whether they are right, what the
-cache held, and how many images were compressed, escalated or kept at full KV, and why.
+(a tiny Qwen2-VL trained on the synthetic visual-QA task, ``assets/checkpoints``): once without
+compression (``--unicache-method full``, token-identical to stock SGLang) and once with
+``--unicache``. Each runs the same conversations: one per image, the image in the first turn, a new
+question every turn, the whole history re-sent each time (as chat clients do), so turns 2..N reuse
+the cached image. The compressing server runs the shipped defaults (the self-check and its
+escalation included, no config file). It prints the answers, whether they are right, what the cache
+held, and how many images were compressed, escalated or kept at full KV, and why.
 """
 
 from __future__ import annotations
@@ -22,12 +25,12 @@ from pathlib import Path
 
 import requests
 
-from sglang_unicache.eval.vqa_data import make_split
-from sglang_unicache.testing.client import available_slots, flush_cache, internal_state
-from sglang_unicache.testing.images import data_url
-from sglang_unicache.testing.server import start_server
+from benchmarks.quality.vqa_data import make_split
+from tests.support.client import available_slots, flush_cache, internal_state
+from tests.support.images import data_url
+from tests.support.server import start_server
 
-BUNDLED = Path(__file__).parent / "checkpoints" / "tiny-vqa-qwen2-vl"
+BUNDLED = Path(__file__).resolve().parents[1] / "assets" / "checkpoints" / "tiny-vqa-qwen2-vl"
 QTYPES = ("colour_of_shape", "shape_of_colour", "count_colour", "count_all", "same_colour")
 
 

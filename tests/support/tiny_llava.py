@@ -15,7 +15,7 @@ tokens ends with ``[IMG_BREAK]``, the last row with ``[IMG_END]`` instead, so an
 square image takes ``(n + 1) * n`` tokens with ``n = image_size // patch_size`` (112 px, patch 14:
 64 ``[IMG]`` + 8 separators = 72). Images larger than ``image_size`` are scaled down to it.
 
-    python -m sglang_unicache.testing.tiny_llava OUT_DIR [--image-size 112]
+    python -m tests.support.tiny_llava OUT_DIR [--image-size 112]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import argparse
 import json
 from pathlib import Path
 
-from sglang_unicache.testing.tiny_vlm import train_bpe
+from tests.support.tiny_vlm import train_bpe
 
 SPECIAL_TOKENS = [
     "<unk>",

@@ -1,21 +1,18 @@
 """Render the configuration reference (``docs/configuration.md``) from ``UniCacheConfig``.
 
-The reference is generated from the dataclass (fields, defaults, section headers and field
-comments in ``config.py``) so it cannot drift; a unit test fails when the committed file is stale.
+The reference is made from the dataclass itself: each field's default, and the one-line meaning
+and section title its ``doc(...)`` puts in the field metadata (``sglang_unicache/config.py``), so
+it cannot drift; a unit test fails when the committed file is stale. Run from the repository root:
 
-    python -m sglang_unicache.config_doc > docs/configuration.md
+    python -m tools.config_doc > docs/configuration.md
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import re
 
 from sglang_unicache.config import PRESETS, UniCacheConfig
 
-_FIELD = re.compile(r"^\s{4}(\w+): [^=]+=\s*(.+?)(?:\s+#\s*(.*))?$")
-_SECTION = re.compile(r"^\s{4}# -- (.+?) -+$")
 # A paragraph under a section, where its defaults need the story of how they were chosen.
 NOTES = {
     "self-check and dynamic rate (seed §7.1, §7.2)": (
@@ -33,28 +30,25 @@ NOTES = {
 
 
 def render() -> str:
-    defaults = {f.name: f.default for f in dataclasses.fields(UniCacheConfig)}
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `sglang_unicache/config.py` by `python -m sglang_unicache.config_doc`;",
+        "Generated from `sglang_unicache/config.py` by `python -m tools.config_doc`;",
         "do not edit by hand. Pass any key in a JSON or YAML file with `--unicache-config PATH`",
         "(flags `--unicache-method`, `--unicache-keep-ratio`, `--unicache-min-image-tokens` win",
         "over the file). Unknown keys and out-of-range values stop the server with one line.",
         "",
     ]
-    for line in inspect.getsource(UniCacheConfig).splitlines():
-        section = _SECTION.match(line)
-        if section:
-            lines += ["", f"## {section.group(1)}", ""]
-            if section.group(1) in NOTES:
-                lines += [NOTES[section.group(1)], ""]
+    for i, field in enumerate(dataclasses.fields(UniCacheConfig)):
+        section = field.metadata.get("section")
+        if i == 0 and section is None:
+            raise ValueError(f"the first config field ({field.name}) must open a section")
+        if section is not None:
+            lines += ["", f"## {section}", ""]
+            if section in NOTES:
+                lines += [NOTES[section], ""]
             lines += ["| key | default | meaning |", "| --- | --- | --- |"]
-            continue
-        field = _FIELD.match(line)
-        if field and field.group(1) in defaults:
-            name, _, comment = field.groups()
-            lines.append(f"| `{name}` | `{defaults[name]!r}` | {comment or ''} |")
+        lines.append(f"| `{field.name}` | `{field.default!r}` | {field.metadata.get('doc', '')} |")
     lines += ["", "## Presets (seed §8.2)", "", "| preset | overrides |", "| --- | --- |"]
     for name, overrides in PRESETS.items():
         shown = ", ".join(f"`{k}={v}`" for k, v in overrides.items()) or "none"

@@ -28,7 +28,7 @@ Answers are unambiguous by construction: a shape (colour) is only asked about wh
 object has it. Items are a pure function of ``(split name, seed, index, parameters)``; different
 split names draw from independent streams.
 
-    from sglang_unicache.eval.vqa_data import make_split
+    from benchmarks.quality.vqa_data import make_split
     test = make_split("test", n_images=100, questions_per_image=5, seed=0, grid=16)
 
 The second task, ``task="grid"`` (issue 13), asks about places instead of things, so the

@@ -1,1 +1,0 @@
-"""Quality evaluation: the synthetic visual-QA task the trained tiny VLM is scored on."""

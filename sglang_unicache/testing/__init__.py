@@ -1,1 +1,0 @@
-"""Test and demo assets made on the spot: no download needed."""
