@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from sglang_unicache.config import UniCacheConfig
+from sglang_unicache.inputs import ImageSpan, ScoreInputs
 from sglang_unicache.registry import build_method
 from sglang_unicache.testing.client import answer, chat
 from sglang_unicache.testing.images import image_chat, solid_png
@@ -17,7 +18,6 @@ from sglang_unicache.testing.reference import (
     load,
     prompt_inputs,
 )
-from sglang_unicache.types import ImageSpan, ScoreInputs
 
 KEEP = 0.25
 NEW_TOKENS = 10
