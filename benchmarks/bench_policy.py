@@ -17,8 +17,8 @@ import torch
 
 from sglang_unicache.compressor import execute
 from sglang_unicache.config import UniCacheConfig
+from sglang_unicache.inputs import ImageSpan, ScoreInputs
 from sglang_unicache.registry import build_method, known_methods
-from sglang_unicache.types import ImageSpan, ScoreInputs
 
 
 def make_request(

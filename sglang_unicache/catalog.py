@@ -1,22 +1,30 @@
 """The catalog of named parts and methods. Each part registers itself next to its definition:
 
-    @scorer("snapkv", lambda c: SnapKVScorer(pool_kernel=c.pool_kernel))
+    @scorer("snapkv")
     @dataclass(frozen=True)
-    class SnapKVScorer: ...
+    class SnapKVScorer:
+        name: ClassVar[str] = "snapkv"      # capabilities are class attributes
+        pool_kernel: int = 7                 # parameters are fields
 
     method("snapkv", scorer="snapkv", budget="uniform", reducer="evict", keeps_window=True)
 
-so adding a method is one file (its scorer and its ``method`` line) plus its import in
-``policies/__init__.py``. The flag's help, the config's validation of names, the tests' method
-lists and the method table in ``docs/policy.md`` all read this catalog (``registry.py`` fills it
-by importing the parts and builds methods from it). This module imports nothing of the library,
-so any part can import it.
+A part is a frozen dataclass whose fields are its parameters; the registry builds it from the user's
+``UniCacheConfig`` with ``from_config``, which copies the config fields of the same names
+(``prefix`` + field name: ``@budget("pyramid", prefix="pyramid_")`` reads ``pyramid_beta`` into
+``PyramidBudget.beta``). So adding a method is one file (its scorer and its ``method`` line) plus
+its import in ``policies/__init__.py``, and a new parameter is a field of the part plus a config
+field. The flag's help, the config's validation of names, the tests' method lists and the method
+table in ``docs/policy.md`` all read this catalog (``registry.py`` fills it by importing the parts
+and builds methods from it). This module imports nothing of the library, so any part can import
+it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 Build = Callable[[object], object]  # UniCacheConfig -> part
 
@@ -48,25 +56,33 @@ def _add(table: dict, kind: str, name: str, entry) -> None:
     table[name] = entry
 
 
-def _part(table: dict, kind: str, name: str, build: Build | None):
+def from_config(cls: type, config: object, prefix: str = "", **given: Any) -> Any:
+    """``cls(**given, name=config.<prefix + name> for every other init field of cls)``: a part
+    (or ``PlanContext``) built from the user's config. A field the config lacks raises
+    AttributeError, so a misspelt parameter cannot silently keep its default."""
+    fields = (f.name for f in dataclasses.fields(cls) if f.init and f.name not in given)
+    return cls(**given, **{name: getattr(config, prefix + name) for name in fields})
+
+
+def _part(table: dict, kind: str, name: str, prefix: str):
     def register(cls):
-        _add(table, kind, name, build or (lambda config: cls()))
+        _add(table, kind, name, lambda config: from_config(cls, config, prefix))
         return cls
 
     return register
 
 
-def scorer(name: str, build: Build | None = None):
-    """Class decorator: register a scorer; ``build(config)`` makes it (default: ``cls()``)."""
-    return _part(SCORERS, "scorer", name, build)
+def scorer(name: str, prefix: str = ""):
+    """Class decorator: register a scorer, built by ``from_config(cls, config, prefix)``."""
+    return _part(SCORERS, "scorer", name, prefix)
 
 
-def budget(name: str, build: Build | None = None):
-    return _part(BUDGETS, "budget", name, build)
+def budget(name: str, prefix: str = ""):
+    return _part(BUDGETS, "budget", name, prefix)
 
 
-def reducer(name: str, build: Build | None = None):
-    return _part(REDUCERS, "reducer", name, build)
+def reducer(name: str, prefix: str = ""):
+    return _part(REDUCERS, "reducer", name, prefix)
 
 
 def method(name: str, **spec) -> None:

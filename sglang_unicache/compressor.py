@@ -2,7 +2,10 @@
 
 A ``Method`` is a composition of one scorer (``policies/``), one layer budget (``budgets/``) and
 one reducer (``reducers/``) plus two selection knobs (recent tokens for H2O, spatial anchors for
-UniCache). ``Method.plan(inputs)`` returns a ``RequestPlan`` with one ``CompressionPlan`` per span;
+UniCache). Each part is a frozen dataclass holding its own parameters; the template reads its own
+settings (keep ratio, alignment protection, escalation, ...) from ``Method.config`` and builds
+from it the parts that are not a named axis (modality budgets, self-check, dynamic rate).
+``Method.plan(inputs)`` returns a ``RequestPlan`` with one ``CompressionPlan`` per span;
 ``execute(plan, keys, values)`` turns a span plan into compressed K/V. Build methods by name with
 ``registry.build_method(config)``.
 
@@ -24,32 +27,33 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from .budgets.base import LayerBudget
-from .budgets.modality import modality_keep
-from .checks.dynamic_rate import dynamic_keep_ratio
-from .checks.selfcheck import self_check
+from .budgets.modality import ModalityBudget
+from .catalog import from_config
+from .checks.dynamic_rate import DynamicRate
+from .checks.selfcheck import SelfCheck
 from .config import UniCacheConfig
-from .policies.alignment import alignment_scores, protected_count
-from .policies.base import Scorer
-from .policies.context import PlanContext
-from .policies.signals import masked_minmax
-from .reducers.apply import execute
-from .reducers.base import Reducer
-from .reducers.heads import num_clusters
-from .reducers.quantize import bits_of, quantized_nbytes
-from .types import (
+from .context import PlanContext
+from .heads import num_clusters
+from .inputs import ImageSpan, ScoreInputs
+from .plans import (
     ByteReport,
     CompressedKV,
     CompressionPlan,
-    ImageSpan,
     LayerPlan,
     RequestPlan,
-    ScoreInputs,
     SelfCheckResult,
 )
+from .policies.alignment import alignment_scores, protected_count
+from .policies.base import Scorer
+from .reducers.apply import execute
+from .reducers.base import Reducer
+from .reducers.quantize import bits_of, quantized_nbytes
+from .signals import masked_minmax
 
 Tensor = torch.Tensor
 
@@ -101,25 +105,39 @@ class Method:
     def query_dependent(self) -> bool:
         return bool(self.scorer.query_dependent or self.budget.needs_queries)
 
+    # -- the template's own parts, built from the config (None: off) ----------------------------
+    @cached_property
+    def modality(self) -> ModalityBudget | None:
+        return from_config(ModalityBudget, self.config) if self.config.compress_text else None
+
+    @cached_property
+    def selfcheck(self) -> SelfCheck | None:
+        return from_config(SelfCheck, self.config, "selfcheck_") if self.config.selfcheck else None
+
+    @cached_property
+    def dynamic_rate(self) -> DynamicRate | None:
+        return from_config(DynamicRate, self.config) if self.config.dynamic_rate else None
+
     # -- the template ---------------------------------------------------------------------------
     def plan(self, inputs: ScoreInputs) -> RequestPlan:
         """Plan the compression of every span of one request (inputs are not modified)."""
         cfg = self.config
-        ctx = PlanContext(inputs, cfg)
+        ctx = from_config(PlanContext, cfg, inputs=inputs)
         if self.needs_queries:
             ctx.require_queries(f"method {self.name!r}")
         identity = self.budget.keeps_everything
         scores = [self._layer_scores(ctx, li) for li in range(ctx.num_layers)]
         align_score = None
         alignment = None
-        if ctx.has_queries and not identity and (self.protects_alignment or cfg.dynamic_rate):
+        wants_alignment = self.protects_alignment or self.dynamic_rate is not None
+        if ctx.has_queries and not identity and wants_alignment:
             align_score = alignment_scores(ctx)  # reuses the per-layer statistics cached above
             alignment = align_score >= cfg.alignment_threshold
         keep, complexity = cfg.keep_ratio, None
-        if cfg.dynamic_rate and not identity:
+        if self.dynamic_rate is not None and not identity:
             n_align = int(alignment.sum()) if alignment is not None else 0
             n_v = int(ctx.is_visual.sum())
-            keep, complexity = dynamic_keep_ratio(cfg, n_v, inputs.num_tokens - n_v, n_align)
+            keep, complexity = self.dynamic_rate.keep_ratio(n_v, inputs.num_tokens - n_v, n_align)
         use_align = align_score if self.protects_alignment else None
         plans, check = self._plan_spans(ctx, scores, keep, use_align, identity)
         escalations = 0
@@ -140,19 +158,14 @@ class Method:
         identity: bool,
     ) -> tuple[list[CompressionPlan], SelfCheckResult | None]:
         """Every span planned at one keep ratio, and the self-check of the result."""
-        cfg = self.config
-        keep_v, keep_t = modality_keep(ctx, keep) if cfg.compress_text else (keep, 1.0)
+        keep_v, keep_t = (keep, 1.0) if self.modality is None else self.modality.keep(ctx, keep)
         plans = []
         for seg in ctx.segments:
             seg_keep = keep_v if seg.modality == "image" else keep_t
             plans.append(self._plan_segment(ctx, seg, scores, seg_keep, align_score, identity))
         check = None
-        if cfg.selfcheck and not identity:
-            check = self_check(ctx, plans)
-        elif cfg.selfcheck:
-            check = SelfCheckResult(
-                cfg.selfcheck_statistic, 0.0, cfg.selfcheck_threshold, (), False, True
-            )
+        if self.selfcheck is not None:
+            check = self.selfcheck.unchecked() if identity else self.selfcheck(ctx, plans)
         for p in plans:
             p.selfcheck = check
         return plans, check
@@ -169,7 +182,7 @@ class Method:
     # -- steps ------------------------------------------------------------------------------------
     def _layer_scores(self, ctx: PlanContext, layer: int) -> Tensor:
         s = self.scorer.score(ctx, layer).float()
-        hm = ctx.head_merge(layer)
+        hm = ctx.head_clusters(layer)
         if hm is not None:  # one selection per head cluster (seed §3: score merged heads)
             head_map = hm[0]
             sums = torch.zeros_like(s).index_put_((head_map,), s, True)
@@ -222,7 +235,7 @@ class Method:
             key = selection_key(s, forced, n_recent, n_anchor)  # top k per head, ascending
             kept = torch.topk(key, k, dim=1).indices.sort(dim=1).values
             assign, weight = self.reducer.reduce(ctx, li, seg, kept, s)
-            hm = ctx.head_merge(li)
+            hm = ctx.head_clusters(li)
             layers.append(
                 LayerPlan(
                     kept,

@@ -9,6 +9,7 @@
 
 from .aircache import AirCacheBudget
 from .base import LayerBudget, apportion
+from .modality import ModalityBudget
 from .pyramid import PyramidBudget
 from .unicache import UniCacheBudget
 from .uniform import FullBudget, UniformBudget
@@ -17,6 +18,7 @@ __all__ = [
     "AirCacheBudget",
     "FullBudget",
     "LayerBudget",
+    "ModalityBudget",
     "PyramidBudget",
     "UniCacheBudget",
     "UniformBudget",

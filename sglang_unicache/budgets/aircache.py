@@ -16,6 +16,9 @@ over all image tokens of the request, as the seed does).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from ..catalog import budget
@@ -45,17 +48,22 @@ def aircache_factors(strength: torch.Tensor, skew: torch.Tensor, floor: float) -
     return 0.5 * (minmax_across_layers(strength) + minmax_across_layers(skew)) + floor
 
 
-@budget("aircache", lambda c: AirCacheBudget(c.aircache_floor))
+@budget("aircache", prefix="aircache_")
+@dataclass(frozen=True)
 class AirCacheBudget(LayerBudget):
-    name = "aircache"
-    needs_queries = True
+    """alpha: the elite window's threshold (``policies/aircache.py``, seed: 0.9); floor: added to
+    the normalised layer scores (ours, 0.1)."""
 
-    def __init__(self, floor: float = 0.1) -> None:
-        self.floor = floor
+    name: ClassVar[str] = "aircache"
+    needs_queries: ClassVar[bool] = True
+    alpha: float = 0.9
+    floor: float = 0.1
 
     def layer_factors(self, ctx):
         vis = ctx.is_visual
         if int(vis.sum()) < 3:
             return torch.ones(ctx.num_layers)
-        iv = torch.stack([elite_importance(ctx, li).mean(0)[vis] for li in range(ctx.num_layers)])
+        iv = torch.stack(
+            [elite_importance(ctx, li, self.alpha).mean(0)[vis] for li in range(ctx.num_layers)]
+        )
         return aircache_factors(iv.sum(dim=1).double().cpu(), sample_skewness(iv).cpu(), self.floor)

@@ -10,13 +10,13 @@ the requested one. The physical slots a span needs are ``max_l K_l`` (DESIGN §5
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 if TYPE_CHECKING:
-    from ..policies.context import PlanContext
-    from ..types import ImageSpan
+    from ..context import PlanContext
+    from ..inputs import ImageSpan
 
 Tensor = torch.Tensor
 
@@ -51,11 +51,12 @@ def apportion(total: int, weights: Tensor, lo: int, hi: int) -> Tensor:
 
 
 class LayerBudget:
-    """Base class: subclasses set ``name`` and implement ``layer_factors``."""
+    """Base class: subclasses are frozen dataclasses whose fields are their parameters; they set
+    ``name`` and implement ``layer_factors``."""
 
-    name = "base"
-    needs_queries = False  # capability: reads observation-window statistics
-    keeps_everything = False  # capability: the identity budget (the template skips the work)
+    name: ClassVar[str] = "base"
+    needs_queries: ClassVar[bool] = False  # capability: reads observation-window statistics
+    keeps_everything: ClassVar[bool] = False  # capability: the identity budget (no work done)
 
     def layer_factors(self, ctx: PlanContext) -> Tensor:
         raise NotImplementedError

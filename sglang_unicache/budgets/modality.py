@@ -13,6 +13,8 @@ Mean pairwise cosine in O(n): for unit vectors u_i, ``sum_{i != j} u_i.u_j = |su
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -53,21 +55,32 @@ def cap_with_overflow(
     return r_v, r_t
 
 
-def modality_keep(ctx, keep_ratio: float) -> tuple[float, float]:
-    """(visual keep, text keep) for the request; density measured on the mean over layers."""
-    cfg = ctx.config
-    vis = ctx.is_visual
-    n_v, n_t = int(vis.sum()), int((~vis).sum())
-    if cfg.modality_allocation == "fixed":
-        r_v, r_t = cfg.visual_rate, cfg.text_rate
-    else:
-        sims_v, sims_t = [], []
-        for li in range(ctx.num_layers):
-            kv = torch.cat([ctx.keys(li), ctx.values(li)], dim=-1)
-            sims_v.append(mean_pairwise_cosine(kv[vis]))
-            sims_t.append(mean_pairwise_cosine(kv[~vis]))
-        rho_v = max(1e-6, 1 - sum(sims_v) / len(sims_v))
-        rho_t = max(1e-6, 1 - sum(sims_t) / len(sims_t))
-        r_v, r_t = density_rates(1 - keep_ratio, rho_v, rho_t, n_v, n_t)
-    r_v, r_t = cap_with_overflow(r_v, r_t, n_v, n_t, cfg.visual_rate_cap, cfg.text_rate_cap)
-    return 1 - r_v, 1 - r_t
+@dataclass(frozen=True)
+class ModalityBudget:
+    """Parameters (seed §8.1): ``modality_allocation`` "density" (§5.2) or "fixed" (the rates
+    below); ``visual_rate`` 0.70 / ``text_rate`` 0.25 (fixed allocation); ``visual_rate_cap`` 0.8
+    / ``text_rate_cap`` 0.4 (both allocations)."""
+
+    modality_allocation: str = "density"
+    visual_rate: float = 0.70
+    text_rate: float = 0.25
+    visual_rate_cap: float = 0.8
+    text_rate_cap: float = 0.4
+
+    def keep(self, ctx, keep_ratio: float) -> tuple[float, float]:
+        """(visual keep, text keep) for the request; density measured on the mean over layers."""
+        vis = ctx.is_visual
+        n_v, n_t = int(vis.sum()), int((~vis).sum())
+        if self.modality_allocation == "fixed":
+            r_v, r_t = self.visual_rate, self.text_rate
+        else:
+            sims_v, sims_t = [], []
+            for li in range(ctx.num_layers):
+                kv = torch.cat([ctx.keys(li), ctx.values(li)], dim=-1)
+                sims_v.append(mean_pairwise_cosine(kv[vis]))
+                sims_t.append(mean_pairwise_cosine(kv[~vis]))
+            rho_v = max(1e-6, 1 - sum(sims_v) / len(sims_v))
+            rho_t = max(1e-6, 1 - sum(sims_t) / len(sims_t))
+            r_v, r_t = density_rates(1 - keep_ratio, rho_v, rho_t, n_v, n_t)
+        r_v, r_t = cap_with_overflow(r_v, r_t, n_v, n_t, self.visual_rate_cap, self.text_rate_cap)
+        return 1 - r_v, 1 - r_t

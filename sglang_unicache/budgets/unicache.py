@@ -16,6 +16,8 @@ kept fractions ``1 - rate_l`` divided by their mean, so the average kept fractio
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -31,13 +33,14 @@ def cosine_rates(num_layers: int, shallow: float, deep: float) -> torch.Tensor:
     return deep + (shallow - deep) * (1 + torch.cos(math.pi * lin)) / 2
 
 
-@budget("unicache", lambda c: UniCacheBudget(c.shallow_rate, c.deep_rate))
+@budget("unicache")
+@dataclass(frozen=True)
 class UniCacheBudget(LayerBudget):
-    name = "unicache"
+    """shallow_rate / deep_rate: compression rate of the first / last layer (seed: 0.75 / 0.45)."""
 
-    def __init__(self, shallow_rate: float = 0.75, deep_rate: float = 0.45) -> None:
-        self.shallow_rate = shallow_rate
-        self.deep_rate = deep_rate
+    name: ClassVar[str] = "unicache"
+    shallow_rate: float = 0.75
+    deep_rate: float = 0.45
 
     def layer_factors(self, ctx):
         keep = 1 - cosine_rates(ctx.num_layers, self.shallow_rate, self.deep_rate)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from ..catalog import budget
@@ -9,19 +12,21 @@ from .base import LayerBudget
 
 
 @budget("uniform")
+@dataclass(frozen=True)
 class UniformBudget(LayerBudget):
-    name = "uniform"
+    name: ClassVar[str] = "uniform"
 
     def layer_factors(self, ctx):
         return torch.ones(ctx.num_layers)
 
 
 @budget("full")
+@dataclass(frozen=True)
 class FullBudget(LayerBudget):
     """Every layer keeps the whole span (identity)."""
 
-    name = "full"
-    keeps_everything = True
+    name: ClassVar[str] = "full"
+    keeps_everything: ClassVar[bool] = True
 
     def layer_factors(self, ctx):
         return torch.ones(ctx.num_layers)

@@ -4,7 +4,7 @@
 - ``dynamic_rate.py``  dynamic rate from input complexity (§7.2)
 """
 
-from .dynamic_rate import complexity, dynamic_keep_ratio, rate_from_complexity
-from .selfcheck import self_check
+from .dynamic_rate import DynamicRate, complexity, rate_from_complexity
+from .selfcheck import SelfCheck
 
-__all__ = ["complexity", "dynamic_keep_ratio", "rate_from_complexity", "self_check"]
+__all__ = ["DynamicRate", "SelfCheck", "complexity", "rate_from_complexity"]

@@ -13,6 +13,7 @@ and ``complexity_high`` (18.0 -> rate 0.4), clamped. log(0) is avoided with log(
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 
 def complexity(n_visual: int, n_text: int, n_align: int, lam: float = 2.0) -> float:
@@ -29,10 +30,25 @@ def rate_from_complexity(
     return rate_max - t * (rate_max - rate_min)
 
 
-def dynamic_keep_ratio(cfg, n_visual: int, n_text: int, n_align: int) -> tuple[float, float]:
-    """(keep ratio = 1 - rate, complexity) for a request under ``cfg``."""
-    c = complexity(n_visual, n_text, n_align, cfg.complexity_lambda)
-    rate = rate_from_complexity(
-        c, cfg.dynamic_rate_min, cfg.dynamic_rate_max, cfg.complexity_low, cfg.complexity_high
-    )
-    return 1.0 - rate, c
+@dataclass(frozen=True)
+class DynamicRate:
+    """Parameters: ``complexity_lambda`` 2.0 (seed); the rate range ``dynamic_rate_min`` 0.4 /
+    ``dynamic_rate_max`` 0.75 (seed); ``complexity_low`` 8.0 / ``complexity_high`` 18.0 (ours)."""
+
+    complexity_lambda: float = 2.0
+    dynamic_rate_min: float = 0.4
+    dynamic_rate_max: float = 0.75
+    complexity_low: float = 8.0
+    complexity_high: float = 18.0
+
+    def keep_ratio(self, n_visual: int, n_text: int, n_align: int) -> tuple[float, float]:
+        """(keep ratio = 1 - rate, complexity) of a request with these counts."""
+        c = complexity(n_visual, n_text, n_align, self.complexity_lambda)
+        rate = rate_from_complexity(
+            c,
+            self.dynamic_rate_min,
+            self.dynamic_rate_max,
+            self.complexity_low,
+            self.complexity_high,
+        )
+        return 1.0 - rate, c

@@ -35,12 +35,14 @@ and passes. Memory: ``[H, G, W, N]`` per span and ``[H, G, W, chunk]`` for the r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..config import SELFCHECK_STATISTICS
 from ..kernels.reference import _logits, window_attend
+from ..plans import CompressionPlan, SelfCheckResult
 from ..reducers.apply import execute_layer
-from ..types import CompressionPlan, SelfCheckResult
 
 Tensor = torch.Tensor
 
@@ -62,7 +64,7 @@ def layer_stats(ctx, layer: int, plans: list[CompressionPlan]) -> Tensor | None:
     compressed = torch.zeros(inp.num_tokens, dtype=torch.bool, device=keys.device)
     for p in plans:
         compressed[p.span.start : p.span.end] = True
-    chunk = ctx.config.stats_chunk
+    chunk = ctx.stats_chunk
     out_p, lse_p = window_attend(q, keys, values, inp.scale, pos, None, chunk)
     out_q, lse_rest = window_attend(q, keys, values, inp.scale, pos, ~compressed, chunk)
     parts, coverage = [], []
@@ -114,20 +116,31 @@ def layer_stats(ctx, layer: int, plans: list[CompressionPlan]) -> Tensor | None:
     ])
 
 
-def self_check(ctx, plans: list[CompressionPlan]) -> SelfCheckResult:
-    """Run the §7.1 check over the last ``selfcheck_layers`` layers."""
-    cfg = ctx.config
-    n = ctx.num_layers
-    layers = tuple(range(max(0, n - cfg.selfcheck_layers), n))
-    unchecked = SelfCheckResult(cfg.selfcheck_statistic, 0.0, cfg.selfcheck_threshold, layers,
-                                False, True)
-    if not ctx.has_queries:
-        return unchecked
-    per_layer = [v for v in (layer_stats(ctx, li, plans) for li in layers) if v is not None]
-    if not per_layer:
-        return unchecked
-    worst = torch.stack(per_layer).amax(dim=0).tolist()  # one host sync per plan
-    stats = dict(zip(STATISTICS, worst, strict=True))
-    value = stats[cfg.selfcheck_statistic]
-    return SelfCheckResult(cfg.selfcheck_statistic, value, cfg.selfcheck_threshold, layers, True,
-                           value <= cfg.selfcheck_threshold, stats)
+@dataclass(frozen=True)
+class SelfCheck:
+    """The §7.1 check, built from the config's ``selfcheck_*`` fields: ``statistic`` (one of
+    ``STATISTICS``, default "kl"), ``threshold`` (fails above it, default 0.9) and ``layers`` (the
+    last layers checked, default 2)."""
+
+    statistic: str = "kl"
+    threshold: float = 0.9
+    layers: int = 2
+
+    def unchecked(self, layers: tuple[int, ...] = ()) -> SelfCheckResult:
+        """The passing result of a check that saw nothing (identity plan, no valid query)."""
+        return SelfCheckResult(self.statistic, 0.0, self.threshold, layers, False, True)
+
+    def __call__(self, ctx, plans: list[CompressionPlan]) -> SelfCheckResult:
+        """Run the check over the last ``layers`` layers."""
+        n = ctx.num_layers
+        layers = tuple(range(max(0, n - self.layers), n))
+        if not ctx.has_queries:
+            return self.unchecked(layers)
+        per_layer = [v for v in (layer_stats(ctx, li, plans) for li in layers) if v is not None]
+        if not per_layer:
+            return self.unchecked(layers)
+        worst = torch.stack(per_layer).amax(dim=0).tolist()  # one host sync per plan
+        stats = dict(zip(STATISTICS, worst, strict=True))
+        value = stats[self.statistic]
+        return SelfCheckResult(self.statistic, value, self.threshold, layers, True,
+                               value <= self.threshold, stats)

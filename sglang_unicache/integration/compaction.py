@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_unicache.inputs import LayerView
 from sglang_unicache.kernels.scatter import as_bytes, write_compressed
-from sglang_unicache.types import LayerView
 
 
 @dataclass

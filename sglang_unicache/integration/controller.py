@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sglang_unicache.config import UniCacheConfig
+from sglang_unicache.inputs import ImageSpan, ScoreInputs
 from sglang_unicache.integration.capture import CaptureTarget, QueryCapture
 from sglang_unicache.integration.compaction import (
     SpanResult,
@@ -50,7 +51,6 @@ from sglang_unicache.integration.rewrite import (
 )
 from sglang_unicache.integration.spans import SpanIndex, SpanMeta, SpanNaming
 from sglang_unicache.registry import build_method
-from sglang_unicache.types import ImageSpan, ScoreInputs
 
 logger = logging.getLogger("sglang_unicache")
 

@@ -10,7 +10,8 @@ the contract is ``base.py``). A new method is a new file here and its import bel
 - ``tova.py``      the last position's head-averaged attention (TOVA)
 - ``unicache.py``  unified importance w_a a + w_c c - w_d d + w_r r (UniCache seed §4.2)
 - ``alignment.py`` alignment tokens and protection with discount (UniCache seed §5.3)
-- ``signals.py``   shared helpers; ``context.py`` the per-plan cache of signals
+
+Scorers read their signals from ``PlanContext`` (``../context.py``, helpers in ``../signals.py``).
 """
 
 from .aircache import AirCacheScorer

@@ -21,6 +21,7 @@ Text tokens score 0 (AirCache compresses visual KV only).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -44,13 +45,14 @@ def elite_window(ctx, layer: int, alpha: float) -> Tensor:
     return (cand >= alpha * cand.amax(dim=1, keepdim=True)) & is_text
 
 
-def elite_importance(ctx, layer: int) -> Tensor:
-    """``[H, T]`` visual importance I_v (0 on text columns), cached on the context."""
+def elite_importance(ctx, layer: int, alpha: float) -> Tensor:
+    """``[H, T]`` visual importance I_v (0 on text columns), cached on the context (the AirCache
+    budget reads it too)."""
 
     def fn() -> Tensor:
         ctx.require_queries("aircache")
         h, t = ctx.inputs.num_kv_heads, ctx.inputs.num_tokens
-        elite = elite_window(ctx, layer, ctx.config.aircache_alpha)  # [H, W]
+        elite = elite_window(ctx, layer, alpha)  # [H, W]
         elite_cols = torch.zeros(h, t, dtype=torch.bool, device=elite.device)
         elite_cols[:, ctx.obs_positions] = elite
         cols = elite_cols | ctx.is_visual.unsqueeze(0)
@@ -59,18 +61,21 @@ def elite_importance(ctx, layer: int) -> Tensor:
         s = s / (rw.sum(dim=1, keepdim=True).clamp_min(1.0) * ctx.group)
         return s * ctx.is_visual.float()
 
-    return ctx.cached("aircache_importance", layer, fn)
+    return ctx.cached(f"aircache_importance_{alpha}", layer, fn)
 
 
-@scorer("aircache")
+@scorer("aircache", prefix="aircache_")
 @dataclass(frozen=True)
 class AirCacheScorer:
-    name: str = "aircache"
-    needs_queries: bool = True
-    query_dependent: bool = True
+    """alpha: the elite window's threshold, a fraction of the strongest candidate (seed: 0.9)."""
+
+    name: ClassVar[str] = "aircache"
+    needs_queries: ClassVar[bool] = True
+    query_dependent: ClassVar[bool] = True
+    alpha: float = 0.9
 
     def score(self, ctx, layer):
-        return elite_importance(ctx, layer)
+        return elite_importance(ctx, layer, self.alpha)
 
 
 method("aircache", scorer="aircache", budget="aircache", reducer="evict",

@@ -7,18 +7,19 @@ inputs' device, so the plan does not depend on the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from ..catalog import method, scorer
 
 
-@scorer("random", lambda c: RandomScorer(seed=c.seed))
+@scorer("random")
 @dataclass(frozen=True)
 class RandomScorer:
-    name: str = "random"
-    needs_queries: bool = False
-    query_dependent: bool = False
+    name: ClassVar[str] = "random"
+    needs_queries: ClassVar[bool] = False
+    query_dependent: ClassVar[bool] = False
     seed: int = 0
 
     def score(self, ctx, layer):

@@ -14,17 +14,18 @@ is what the engine captured (``obs_positions``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ..catalog import method, scorer
-from .signals import max_pool_tokens
+from ..signals import max_pool_tokens
 
 
-@scorer("snapkv", lambda c: SnapKVScorer(pool_kernel=c.pool_kernel))
+@scorer("snapkv")
 @dataclass(frozen=True)
 class SnapKVScorer:
-    name: str = "snapkv"
-    needs_queries: bool = True
-    query_dependent: bool = True
+    name: ClassVar[str] = "snapkv"
+    needs_queries: ClassVar[bool] = True
+    query_dependent: ClassVar[bool] = True
     pool_kernel: int = 7
 
     def score(self, ctx, layer):

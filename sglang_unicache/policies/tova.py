@@ -14,6 +14,7 @@ image span only (the one-shot form kvpress also uses).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ..catalog import method, scorer
 
@@ -21,9 +22,9 @@ from ..catalog import method, scorer
 @scorer("tova")
 @dataclass(frozen=True)
 class TOVAScorer:
-    name: str = "tova"
-    needs_queries: bool = True
-    query_dependent: bool = True
+    name: ClassVar[str] = "tova"
+    needs_queries: ClassVar[bool] = True
+    query_dependent: ClassVar[bool] = True
 
     def score(self, ctx, layer):
         ctx.require_queries(self.name)

@@ -28,22 +28,24 @@ is 0.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from ..catalog import method, scorer
-from .signals import by_modality_minmax
+from ..signals import by_modality_minmax
 
 
-def layer_weights(cfg, layer: int, num_layers: int) -> tuple[float, float, float, float]:
-    """(w_a, w_c, w_d, w_r) of ``layer`` (seed §4.3 shallow/deep adjustments, by thirds)."""
-    wa, wc, wd, wr = cfg.w_attention, cfg.w_cross, cfg.w_redundancy, cfg.w_recency
-    if cfg.layer_dependent_weights and num_layers >= 3:
+def layer_weights(w, layer: int, num_layers: int) -> tuple[float, float, float, float]:
+    """(w_a, w_c, w_d, w_r) of ``layer`` (seed §4.3 shallow/deep adjustments, by thirds); ``w``
+    is a ``UniCacheScorer`` (or anything with its weight fields, e.g. the config)."""
+    wa, wc, wd, wr = w.w_attention, w.w_cross, w.w_redundancy, w.w_recency
+    if w.layer_dependent_weights and num_layers >= 3:
         third = layer * 3 // num_layers
         if third == 0:
-            wd = cfg.shallow_w_redundancy
+            wd = w.shallow_w_redundancy
         elif third == 2:
-            wa = cfg.deep_w_attention
+            wa = w.deep_w_attention
     return wa, wc, wd, wr
 
 
@@ -60,19 +62,31 @@ def cross_modal(ctx, layer: int) -> torch.Tensor:
 @scorer("unicache")
 @dataclass(frozen=True)
 class UniCacheScorer:
-    name: str = "unicache"
-    needs_queries: bool = False
-    query_dependent: bool = True
+    """Parameters (seed §8.1 defaults): the weights ``w_attention`` 0.4, ``w_cross`` 0.3,
+    ``w_redundancy`` 0.2, ``w_recency`` 0.1; ``layer_dependent_weights`` (seed §4.3) replaces
+    w_d by ``shallow_w_redundancy`` 0.3 in the first third of the layers and w_a by
+    ``deep_w_attention`` 0.5 in the last; ``query_weight`` q (ours, 1.0 = the seed's formula)."""
+
+    name: ClassVar[str] = "unicache"
+    needs_queries: ClassVar[bool] = False
+    query_dependent: ClassVar[bool] = True
+    w_attention: float = 0.4
+    w_cross: float = 0.3
+    w_redundancy: float = 0.2
+    w_recency: float = 0.1
+    layer_dependent_weights: bool = True
+    shallow_w_redundancy: float = 0.3
+    deep_w_attention: float = 0.5
+    query_weight: float = 1.0
 
     def score(self, ctx, layer):
-        cfg = ctx.config
         vis = ctx.is_visual
-        wa, wc, wd, wr = layer_weights(cfg, layer, ctx.num_layers)
+        wa, wc, wd, wr = layer_weights(self, layer, ctx.num_layers)
         u = by_modality_minmax(-ctx.key_norm(layer), vis)
         d = ctx.redundancy(layer)
         r = ctx.recency().unsqueeze(0)
         if ctx.has_queries:
-            q = cfg.query_weight
+            q = self.query_weight
             a = q * by_modality_minmax(ctx.received(layer), vis) + (1 - q) * u
             c = q * cross_modal(ctx, layer) + (1 - q) * u
         else:

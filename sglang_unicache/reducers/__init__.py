@@ -4,7 +4,7 @@
 - ``evict.py``    drop them (baselines, AirCache)
 - ``merge.py``    fold redundant ones into kept entries (UniCache §6.1-6.2)
 - ``quantize.py`` per-head int8/int4 of the kept entries (UniCache §6.3)
-- ``heads.py``    KV head clustering and merging (UniCache §3)
+- ``apply.py``    the executor: a plan -> compressed K/V (head merging from ``../heads.py``)
 """
 
 from .evict import EvictReducer

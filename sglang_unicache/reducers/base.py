@@ -4,6 +4,7 @@ A reducer receives, for one span and one layer, the selected entries ``kept [H, 
 span-relative) and the span's scores ``[H, N]`` and returns ``(assign [H, N] int32, weight [H, N]
 fp32)`` as documented on ``LayerPlan``: ``assign[h, kept[h, j]] == j``, evicted tokens -1, weights
 of each entry summing to 1. It must not change ``kept`` and must not modify any input tensor.
+A reducer is a frozen dataclass whose fields are its parameters (``catalog.from_config``).
 Quantization (``quantize.py``) is not a reducer: it applies to the executed entries (seed §6.3:
 token compression first, then quantization).
 """
@@ -15,8 +16,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from ..policies.context import PlanContext
-    from ..types import ImageSpan
+    from ..context import PlanContext
+    from ..inputs import ImageSpan
 
 Tensor = torch.Tensor
 

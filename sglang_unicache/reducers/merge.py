@@ -18,23 +18,28 @@ the executor restores the merged vector's norm to the members' weighted mean nor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from ..catalog import reducer
-from ..policies.signals import masked_minmax
+from ..signals import masked_minmax
 from .base import keep_only
 
 
 @reducer("merge")
 @dataclass(frozen=True)
 class MergeReducer:
-    name: str = "merge"
-    merges: bool = True
+    """merge_threshold: redundancy d above which an evicted token may merge (seed: 0.8);
+    evict_low: the least cosine to its kept entry a merged token needs (seed's evict band: 0.5)."""
+
+    name: ClassVar[str] = "merge"
+    merges: ClassVar[bool] = True
+    merge_threshold: float = 0.8
+    evict_low: float = 0.5
 
     def reduce(self, ctx, layer, seg, kept, scores):
-        cfg = ctx.config
         n = seg.length
         h, k = kept.shape
         assign, _ = keep_only(kept, n)
@@ -55,7 +60,7 @@ class MergeReducer:
         xk = torch.gather(xh, 1, kept.unsqueeze(-1).expand(h, k, xh.shape[-1]))
         best_sim, best = torch.bmm(xh, xk.transpose(1, 2)).max(dim=-1)  # [H, N]
         d = ctx.redundancy(layer)[:, sl]
-        merge = (assign < 0) & (d > cfg.merge_threshold) & (best_sim >= cfg.evict_low)
+        merge = (assign < 0) & (d > self.merge_threshold) & (best_sim >= self.evict_low)
         assign = torch.where(merge, best.to(torch.int32), assign)
         return assign, merge_weights(scores, assign, k)
 

@@ -124,13 +124,14 @@ def test_alignment_discount_count() -> None:
 
 
 def test_aircache_layer_budgets_follow_strength_and_skewness() -> None:
+    from sglang_unicache.context import PlanContext
     from sglang_unicache.policies.aircache import elite_importance
-    from sglang_unicache.policies.context import PlanContext
 
     inp = make_inputs(layers=4)
     cfg = UniCacheConfig(method="aircache", keep_ratio=0.2, selfcheck=False)
-    ctx = PlanContext(inp, cfg)
-    iv = torch.stack([elite_importance(ctx, li).mean(0)[ctx.is_visual] for li in range(4)])
+    ctx = PlanContext(inp)
+    alpha = cfg.aircache_alpha
+    iv = torch.stack([elite_importance(ctx, li, alpha).mean(0)[ctx.is_visual] for li in range(4)])
     factors = aircache_factors(iv.sum(1).double(), sample_skewness(iv), cfg.aircache_floor)
     plan = build_method(cfg).plan(inp)
     for sp in plan.spans:

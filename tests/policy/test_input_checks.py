@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from sglang_unicache.config import UniCacheConfig
+from sglang_unicache.inputs import ScoreInputs
 from sglang_unicache.registry import build_method
-from sglang_unicache.types import ScoreInputs
 from tests.policy.conftest import make_inputs
 
 

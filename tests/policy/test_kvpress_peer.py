@@ -1,6 +1,7 @@
 """Peer check against kvpress 0.5.5 (NVIDIA/kvpress) on identical tensors (issue 17): our key-norm,
 un-pooled SnapKV and H2O (given kvpress's normalised attention sum) keep exactly the tokens
-kvpress keeps, per KV head, at the same K.
+kvpress keeps, per KV head, at the same K; our PyramidKV gives every layer the budget of the
+original PyramidKV formula (which kvpress transcribes) within one token.
 
 kvpress needs transformers < 5.3 by its metadata while SGLang 0.5.23 pins 5.x above it, so it is
 installed without dependencies (``make setup`` does; its import works): the test is skipped where
@@ -17,8 +18,8 @@ import torch
 kvpress = pytest.importorskip("kvpress")
 
 from sglang_unicache.config import UniCacheConfig  # noqa: E402
+from sglang_unicache.inputs import ImageSpan, ScoreInputs  # noqa: E402
 from sglang_unicache.registry import build_method  # noqa: E402
-from sglang_unicache.types import ImageSpan, ScoreInputs  # noqa: E402
 
 T, H, G, D, W, K = 96, 2, 3, 16, 8, 20
 
@@ -80,3 +81,39 @@ def test_h2o_on_kvpress_normalised_attention_keeps_what_kvpress_keeps():
         attention(keys, queries), {})
     assert ours("h2o", keys, values, queries, T, h2o_recent_fraction=0.0,
                 acc=[theirs[0].float()]) == top(theirs, T)
+
+
+def pyramid_formula(num_layers: int, avg: float, beta: float = 20) -> list[float]:
+    """PyramidKV's per-layer budgets as the original code computes them (Zefan-Cai/KVCache-Factory
+    ``pyramidkv/pyramidkv_utils.py``, window left out): the last layer keeps ``avg / beta``, the
+    first ``2 * avg`` minus that, and the layers between decrease in equal steps."""
+    min_num = avg / beta
+    max_num = 2 * avg - min_num
+    steps = (max_num - min_num) / (num_layers - 1)
+    return [max_num - layer * steps for layer in range(num_layers)]
+
+
+@pytest.mark.parametrize("num_layers,avg", [(2, 40), (3, 20), (5, 37), (12, 64), (28, 25),
+                                            (32, 100)])
+def test_pyramidkv_layer_budgets_follow_the_published_formula(num_layers: int, avg: int):
+    """What our pyramidkv plan assigns per layer is the formula's budget within one token (ours
+    are integers summing to exactly num_layers * avg); kvpress's ``PyramidKVPress`` (window 0)
+    rounds the same formula."""
+    want = pyramid_formula(num_layers, avg)
+    n = 3 * avg  # the span: long enough that no layer's budget is clipped to it
+    g = torch.Generator().manual_seed(num_layers)
+    keys = torch.randn(num_layers, n + W, H, D, generator=g)
+    inputs = ScoreInputs(keys=keys, values=torch.randn(keys.shape, generator=g),
+                         spans=[ImageSpan(0, n)],  # the observation window is the text after it
+                         obs_queries=torch.randn(num_layers, W, H * G, D, generator=g))
+    cfg = UniCacheConfig(method="pyramidkv", keep_ratio=avg / n, pyramid_beta=20, selfcheck=False)
+    layers = build_method(cfg).plan(inputs).spans[0].layers
+    got = [lp.budget for lp in layers]
+    assert [lp.num_kept for lp in layers] == got
+    assert sum(got) == num_layers * avg
+    assert all(abs(k - w) < 1 for k, w in zip(got, want, strict=True)), (got, want)
+    press = kvpress.PyramidKVPress(compression_ratio=1 - avg / n, window_size=0, beta=20)
+    theirs = [press.get_layer_budget(SimpleNamespace(
+        config=SimpleNamespace(num_hidden_layers=num_layers), layer_idx=i), n)
+        for i in range(num_layers)]
+    assert all(abs(k - w) <= 0.5 + 1e-6 for k, w in zip(theirs, want, strict=True))

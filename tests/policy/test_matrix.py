@@ -14,8 +14,8 @@ import torch
 
 from sglang_unicache.compressor import execute
 from sglang_unicache.config import UniCacheConfig
+from sglang_unicache.plans import CompressionPlan
 from sglang_unicache.registry import build_method, known_methods
-from sglang_unicache.types import CompressionPlan
 
 from .conftest import make_inputs
 

@@ -10,15 +10,15 @@ import torch
 
 from sglang_unicache.compressor import Method, execute
 from sglang_unicache.config import UniCacheConfig
+from sglang_unicache.context import PlanContext
+from sglang_unicache.heads import apply_head_merge, plan_head_merge
+from sglang_unicache.inputs import ImageSpan, ScoreInputs
 from sglang_unicache.kernels.reference import merge_gather
 from sglang_unicache.policies.aircache import elite_importance, elite_window
-from sglang_unicache.policies.context import PlanContext
-from sglang_unicache.policies.signals import neighbour_redundancy
-from sglang_unicache.reducers.heads import apply_head_merge, plan_head_merge
 from sglang_unicache.reducers.merge import merge_weights
 from sglang_unicache.reducers.quantize import dequantize, quantize, quantized_nbytes
 from sglang_unicache.registry import BUDGETS, REDUCERS, build_method
-from sglang_unicache.types import ImageSpan, ScoreInputs
+from sglang_unicache.signals import neighbour_redundancy
 
 from .conftest import make_inputs
 
@@ -38,11 +38,11 @@ def _elite_inputs() -> ScoreInputs:
 
 def test_elite_window_selection() -> None:
     inp = _elite_inputs()
-    ctx = PlanContext(inp, UniCacheConfig(method="aircache"))
+    ctx = PlanContext(inp)
     elite = elite_window(ctx, 0, 0.9)
     # candidates 12..15 have logits 3, 2.95, 0, 1: exp(-0.05) = 0.95 >= 0.9 -> {12, 13}
     assert ctx.obs_positions[elite[0]].tolist() == [12, 13]
-    iv = elite_importance(ctx, 0)[0]
+    iv = elite_importance(ctx, 0, 0.9)[0]
     keys, q = inp.keys[0][:, 0], inp.obs_queries[0][:, 0]
     manual = torch.zeros(10)
     for w, visible in ((0, [12]), (1, [12, 13])):  # elite queries at 12, 13; causal
@@ -297,7 +297,7 @@ def test_short_spans_are_skipped_and_methods_declare_capabilities() -> None:
 
 
 def test_grid_redundancy_uses_vertical_neighbours() -> None:
-    from sglang_unicache.policies.signals import grid_redundancy
+    from sglang_unicache.signals import grid_redundancy
 
     # 2 x 3 grid, columns identical top to bottom, columns mutually orthogonal
     col = torch.eye(3).reshape(1, 3, 1, 3).expand(2, 3, 1, 3).reshape(6, 1, 3)
@@ -307,7 +307,7 @@ def test_grid_redundancy_uses_vertical_neighbours() -> None:
     inp = make_inputs()
     spans = [ImageSpan(s.start, s.end, grid=(5, 10)) for s in inp.spans[:1]] + [inp.spans[1]]
     gridded = ScoreInputs(inp.keys, inp.values, spans, obs_queries=inp.obs_queries)
-    ctx = PlanContext(gridded, UniCacheConfig())
+    ctx = PlanContext(gridded)
     sl = slice(spans[0].start, spans[0].end)
     want = grid_redundancy(inp.keys[0][sl], inp.values[0][sl], 10, 4)
     torch.testing.assert_close(ctx.redundancy(0)[:, sl], want)

@@ -14,9 +14,9 @@ import torch
 
 from sglang_unicache.compressor import execute
 from sglang_unicache.config import UniCacheConfig
+from sglang_unicache.inputs import ScoreInputs
 from sglang_unicache.kernels.reference import window_colsum, window_lse
 from sglang_unicache.registry import build_method
-from sglang_unicache.types import ScoreInputs
 
 from .conftest import make_inputs, window_case
 

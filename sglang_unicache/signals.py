@@ -1,4 +1,5 @@
-"""Small tensor helpers shared by the scorers: normalisation, redundancy, pooling, positions.
+"""Small tensor helpers shared by the context and the parts: normalisation, redundancy, pooling,
+positions.
 
 All take and return fp32 tensors; none loops over tokens or heads in Python (loops are over the
 neighbour offsets 1..k only).

@@ -3,6 +3,9 @@
 Scorers, budgets, reducers and checks all read signals from here, so a signal (e.g. the window
 attention of layer 7) is computed once per plan however many components use it. Every signal is a
 per-layer ``[H, T]`` fp32 tensor unless stated otherwise. Nothing here modifies the inputs.
+
+The context's own settings are its fields (the compressor copies them from ``UniCacheConfig``);
+a part's parameters are fields of the part, never read from here.
 """
 
 from __future__ import annotations
@@ -12,19 +15,23 @@ from typing import Any
 
 import torch
 
-from ..config import UniCacheConfig
-from ..kernels import window_colsum, window_lse
-from ..kernels.reference import causal_logits, colsum_from_logits, lse_from_logits
-from ..reducers.heads import apply_head_merge, plan_head_merge
-from ..types import ImageSpan, ScoreInputs
 from . import signals
+from .heads import apply_head_merge, plan_head_merge
+from .inputs import ImageSpan, ScoreInputs
+from .kernels import window_colsum, window_lse
+from .kernels.reference import causal_logits, colsum_from_logits, lse_from_logits
 
 Tensor = torch.Tensor
 
 
 @dataclass
 class PlanContext:
-    """Inputs + config + caches for one ``plan`` call.
+    """Inputs + settings + caches for one ``plan`` call (defaults: ``UniCacheConfig``'s).
+
+    stats_chunk: key columns per chunk of the window statistics (above it no full logits are
+        kept). redundancy_window: neighbours each side of the redundancy signal (seed §4.2).
+    head_merge, head_merge_threshold: merge KV heads whose cosine reaches the threshold before any
+        signal is computed (seed §3). compress_text: text runs get a plan too.
 
     segments: the spans that get a plan (image spans, plus text runs when ``compress_text``).
     is_visual: ``[T]`` bool, token in any image span. run_id: ``[T]`` int, id of the maximal
@@ -32,9 +39,13 @@ class PlanContext:
     """
 
     inputs: ScoreInputs
-    config: UniCacheConfig
-    _cache: dict[tuple[str, int], Any] = field(default_factory=dict, repr=False)
-    _logits: dict[int, Tensor] = field(default_factory=dict, repr=False)
+    stats_chunk: int = 8192
+    redundancy_window: int = 4
+    head_merge: bool = False
+    head_merge_threshold: float = 0.88
+    compress_text: bool = False
+    _cache: dict[tuple[str, int], Any] = field(default_factory=dict, init=False, repr=False)
+    _logits: dict[int, Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         inp = self.inputs
@@ -49,7 +60,7 @@ class PlanContext:
             self.is_visual[s.start : s.end] = True
         self.text_mask = ~self.is_visual
         segs: list[ImageSpan] = list(inp.spans)
-        if self.config.compress_text:
+        if self.compress_text:
             segs += [
                 ImageSpan(a, b, "text")
                 for a, b in zip(bounds, bounds[1:], strict=False)
@@ -80,26 +91,26 @@ class PlanContext:
         return self._cache[key]
 
     # -- K/V after head merging (seed §3: merge heads first, then score tokens) -------------------
-    def head_merge(self, layer: int) -> tuple[Tensor, Tensor] | None:
+    def head_clusters(self, layer: int) -> tuple[Tensor, Tensor] | None:
         """``(head_map [H], head_weight [H])`` or None when head merging is off."""
-        if not self.config.head_merge:
+        if not self.head_merge:
             return None
         return self.cached(
             "head_merge",
             layer,
             lambda: plan_head_merge(
-                self.inputs.keys[layer], self.inputs.values[layer], self.config.head_merge_threshold
+                self.inputs.keys[layer], self.inputs.values[layer], self.head_merge_threshold
             ),
         )
 
     def keys(self, layer: int) -> Tensor:
-        hm = self.head_merge(layer)
+        hm = self.head_clusters(layer)
         if hm is None:
             return self.inputs.keys[layer]
         return self.cached("keys", layer, lambda: apply_head_merge(self.inputs.keys[layer], *hm))
 
     def values(self, layer: int) -> Tensor:
-        hm = self.head_merge(layer)
+        hm = self.head_clusters(layer)
         if hm is None:
             return self.inputs.values[layer]
         return self.cached(
@@ -115,7 +126,7 @@ class PlanContext:
         """Causal logits ``[H, G, W, T]`` of the layer's observation queries, computed once and
         kept for the two most recent layers; None when T exceeds ``stats_chunk`` (then every
         statistic is computed chunk by chunk instead)."""
-        if self.inputs.num_tokens > self.config.stats_chunk:
+        if self.inputs.num_tokens > self.stats_chunk:
             return None
         if layer not in self._logits:
             if len(self._logits) >= 2:
@@ -142,7 +153,7 @@ class PlanContext:
             self.inputs.scale,
             self.obs_positions[rows],
             col_mask,
-            self.config.stats_chunk,
+            self.stats_chunk,
         )
 
     def window_colsum(
@@ -166,7 +177,7 @@ class PlanContext:
             lse,
             col_mask,
             row_weight,
-            self.config.stats_chunk,
+            self.stats_chunk,
         )
 
     def lse(self, layer: int, mask_name: str = "all") -> Tensor:
@@ -215,7 +226,7 @@ class PlanContext:
         that carry ``ImageSpan.grid`` (rows, cols) with a length divisible by cols."""
 
         def fn() -> Tensor:
-            k, v, win = self.keys(layer), self.values(layer), self.config.redundancy_window
+            k, v, win = self.keys(layer), self.values(layer), self.redundancy_window
             d = signals.neighbour_redundancy(k, v, self.run_id, win)
             for s in self.inputs.spans:  # per image, not per token
                 if s.grid is not None and s.length % s.grid[1] == 0:
