@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import UniCacheConfig
+from .inputs import ImageSpan, ScoreInputs
+from .plans import RequestPlan
 from .registry import build_method
-from .types import ImageSpan, RequestPlan, ScoreInputs
 
 Tensor = torch.Tensor
 

@@ -10,7 +10,6 @@ import torch
 from sglang_unicache.config import UniCacheConfig
 from sglang_unicache.inputs import ImageSpan, ScoreInputs
 from sglang_unicache.registry import build_method
-from sglang_unicache.types import ImageSpan, ScoreInputs
 from tests.support.client import answer, chat
 from tests.support.images import image_chat, solid_png
 from tests.support.reference import (

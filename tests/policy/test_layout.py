@@ -32,6 +32,7 @@ RANKS = [
     {"policies", "budgets", "reducers", "checks"},  # the parts
     {"compressor"},
     {"registry"},
+    {"press"},  # the transformers entry point: builds methods by name
 ]
 # The parts are peers; two of them use another's code, never the other way round.
 PEER_USES = {

@@ -11,9 +11,9 @@ import torch
 
 from benchmarks.quality.vqa_data import make_split
 from sglang_unicache.config import UniCacheConfig
+from sglang_unicache.inputs import ScoreInputs
 from sglang_unicache.press import compress, image_spans
 from sglang_unicache.registry import build_method
-from sglang_unicache.types import ScoreInputs
 
 transformers = pytest.importorskip("transformers")
 
