@@ -11,12 +11,12 @@
 A part is a frozen dataclass whose fields are its parameters; the registry builds it from the user's
 ``UniCacheConfig`` with ``from_config``, which copies the config fields of the same names
 (``prefix`` + field name: ``@budget("pyramid", prefix="pyramid_")`` reads ``pyramid_beta`` into
-``PyramidBudget.beta``). So adding a method is one file (its scorer and its ``method`` line) plus
-its import in ``policies/__init__.py``, and a new parameter is a field of the part plus a config
-field. The flag's help, the config's validation of names, the tests' method lists and the method
-table in ``docs/policy.md`` all read this catalog (``registry.py`` fills it by importing the parts
-and builds methods from it). This module imports nothing of the library, so any part can import
-it.
+``PyramidBudget.beta``). So adding a method is one file in ``policies/`` (its scorer and its
+``method`` line; the package imports every module in it), and a new user-tunable parameter is a
+field of the part plus a config field. The flag's help, the config's validation of names, the tests'
+method lists and the method table in ``docs/policy.md`` all read this catalog (``registry.py`` fills
+it by importing the parts and builds methods from it). This module imports nothing of the library,
+so any part can import it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Scorers: which tokens matter (one file per method: its scorer and its ``catalog.method`` line;
-the contract is ``base.py``). A new method is a new file here and its import below.
+the contract is ``base.py``). A new method is a new file here: importing this package
+imports every module in it, which registers it.
 
 - ``snapkv.py``    observation-window attention + max pool (SnapKV)
 - ``h2o.py``       accumulated attention, + recent tokens via the template (H2O)
@@ -14,22 +15,8 @@ the contract is ``base.py``). A new method is a new file here and its import bel
 Scorers read their signals from ``PlanContext`` (``../context.py``, helpers in ``../signals.py``).
 """
 
-from .aircache import AirCacheScorer
-from .full import FullScorer
-from .h2o import H2OScorer
-from .knorm import KNormScorer
-from .random import RandomScorer
-from .snapkv import SnapKVScorer
-from .tova import TOVAScorer
-from .unicache import UniCacheScorer
+from importlib import import_module
+from pkgutil import iter_modules
 
-__all__ = [
-    "AirCacheScorer",
-    "FullScorer",
-    "H2OScorer",
-    "KNormScorer",
-    "RandomScorer",
-    "SnapKVScorer",
-    "TOVAScorer",
-    "UniCacheScorer",
-]
+for _module in iter_modules(__path__):
+    import_module(f"{__name__}.{_module.name}")

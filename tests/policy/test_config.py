@@ -78,7 +78,7 @@ def test_the_flag_and_the_docs_list_every_registered_method() -> None:
     help_text = next(f for f in FLAGS if f.option == "--unicache-method").help
     assert all(name in help_text for name in known_methods())
     doc = (Path(__file__).parents[2] / "docs" / "policy.md").read_text()
-    table = dict(re.findall(r"^\| `([a-z0-9]+)` \| (.+?) \|$", doc.split("## Methods")[1],
+    table = dict(re.findall(r"^\| `([a-z0-9_]+)` \| (.+?) \|$", doc.split("## Methods")[1],
                             re.M))
     assert table == {name: spec.summary for name, spec in METHODS.items()}
 

@@ -1,6 +1,6 @@
 """Peer check against kvpress 0.5.5 (NVIDIA/kvpress) on identical tensors (issue 17): our key-norm,
-un-pooled SnapKV and H2O (given kvpress's normalised attention sum) keep exactly the tokens
-kvpress keeps, per KV head, at the same K; our PyramidKV gives every layer the budget of the
+StreamingLLM, un-pooled SnapKV and H2O (given kvpress's normalised attention sum) keep exactly the
+tokens kvpress keeps, per KV head, at the same K; our PyramidKV gives every layer the budget of the
 original PyramidKV formula (which kvpress transcribes) within one token.
 
 kvpress needs transformers < 5.3 by its metadata while SGLang 0.5.23 pins 5.x above it, so it is
@@ -62,6 +62,17 @@ def test_knorm_keeps_what_kvpress_keeps():
     theirs = kvpress.KnormPress().score(MODULE, torch.zeros(1, T, 1), keys.transpose(0, 1)[None],
                                         values.transpose(0, 1)[None], None, {})
     assert ours("knorm", keys, values, queries, T) == top(theirs, T)
+
+
+def test_streaming_llm_keeps_what_kvpress_keeps():
+    """Added in one file (``policies/streaming_llm.py``): the sinks and the latest tokens."""
+    keys, values, queries = tensors(3)
+    press = kvpress.StreamingLLMPress(compression_ratio=1 - K / T)
+    theirs = press.score(MODULE, torch.zeros(1, T, 1), keys.transpose(0, 1)[None],
+                         values.transpose(0, 1)[None], None, {})
+    expected = top(theirs + torch.arange(T) * 1e-6, T)  # kvpress's ties fall to the latest
+    assert expected[0] == set(range(4)) | set(range(T - K + 4, T))
+    assert ours("streaming_llm", keys, values, queries, T) == expected
 
 
 def test_unpooled_snapkv_keeps_what_kvpress_keeps():
