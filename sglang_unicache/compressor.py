@@ -38,6 +38,7 @@ from .checks.dynamic_rate import DynamicRate
 from .checks.selfcheck import SelfCheck
 from .config import UniCacheConfig
 from .context import PlanContext
+from .executor import execute
 from .heads import num_clusters
 from .inputs import ImageSpan, ScoreInputs
 from .plans import (
@@ -50,9 +51,8 @@ from .plans import (
 )
 from .policies.alignment import alignment_scores, protected_count
 from .policies.base import Scorer
-from .reducers.apply import execute
+from .quantize import bits_of, quantized_nbytes
 from .reducers.base import Reducer
-from .reducers.quantize import bits_of, quantized_nbytes
 from .signals import masked_minmax
 
 Tensor = torch.Tensor

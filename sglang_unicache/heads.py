@@ -3,7 +3,7 @@ cluster with weights, and keep a head-index map so every original head knows its
 
 Order (seed §3.2): heads are merged *before* token scoring, so token importance is computed on the
 merged representation (``PlanContext`` merges before any signal); the compressor therefore scores
-and selects tokens per cluster, and the executor (``reducers/apply.py``) merges the stored K/V.
+and selects tokens per cluster, and the executor (``executor.py``) merges the stored K/V.
 
 Honesty note (DESIGN §5): SGLang's ``MHATokenToKVPool`` stores every KV head in every slot, so
 replacing heads by their cluster mean saves no pool memory. The saving (one copy per cluster) is

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SELFCHECK_STATISTICS
+from ..executor import execute_layer
 from ..kernels.reference import _logits, window_attend
 from ..plans import CompressionPlan, SelfCheckResult
-from ..reducers.apply import execute_layer
 
 Tensor = torch.Tensor
 

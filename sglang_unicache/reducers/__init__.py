@@ -1,10 +1,11 @@
-"""Reducers: what happens to tokens not kept, and the storage transforms after selection.
+"""Reducers: what happens to tokens not kept.
 
 - ``base.py``     the reducer contract, ``keep_only``
 - ``evict.py``    drop them (baselines, AirCache)
 - ``merge.py``    fold redundant ones into kept entries (UniCache §6.1-6.2)
-- ``quantize.py`` per-head int8/int4 of the kept entries (UniCache §6.3)
-- ``apply.py``    the executor: a plan -> compressed K/V (head merging from ``../heads.py``)
+
+The executor that applies a plan (``../executor.py``) and the quantization after it
+(``../quantize.py``, UniCache §6.3) are not reducers.
 """
 
 from .evict import EvictReducer

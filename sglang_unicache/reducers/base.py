@@ -5,7 +5,7 @@ span-relative) and the span's scores ``[H, N]`` and returns ``(assign [H, N] int
 fp32)`` as documented on ``LayerPlan``: ``assign[h, kept[h, j]] == j``, evicted tokens -1, weights
 of each entry summing to 1. It must not change ``kept`` and must not modify any input tensor.
 A reducer is a frozen dataclass whose fields are its parameters (``catalog.from_config``).
-Quantization (``quantize.py``) is not a reducer: it applies to the executed entries (seed §6.3:
+Quantization (``../quantize.py``) is not a reducer: it applies to the executed entries (seed §6.3:
 token compression first, then quantization).
 """
 

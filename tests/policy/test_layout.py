@@ -28,7 +28,8 @@ RANKS = [
     {"catalog", "config", "serial", "shrink", "kernels"},
     {"inputs", "heads", "signals"},
     {"plans"},
-    {"context"},
+    {"context", "quantize"},
+    {"executor"},
     {"policies", "budgets", "reducers", "checks"},  # the parts
     {"compressor"},
     {"registry"},
@@ -37,7 +38,6 @@ RANKS = [
 # The parts are peers; two of them use another's code, never the other way round.
 PEER_USES = {
     ("budgets", "policies"),  # the AirCache budget reads the AirCache scorer's elite window
-    ("checks", "reducers"),  # the self-check executes the plan it checks
 }
 RANK = {unit: i for i, units in enumerate(RANKS) for unit in units}
 

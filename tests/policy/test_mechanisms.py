@@ -15,8 +15,8 @@ from sglang_unicache.heads import apply_head_merge, plan_head_merge
 from sglang_unicache.inputs import ImageSpan, ScoreInputs
 from sglang_unicache.kernels.reference import merge_gather
 from sglang_unicache.policies.aircache import elite_importance, elite_window
+from sglang_unicache.quantize import dequantize, quantize, quantized_nbytes
 from sglang_unicache.reducers.merge import merge_weights
-from sglang_unicache.reducers.quantize import dequantize, quantize, quantized_nbytes
 from sglang_unicache.registry import BUDGETS, REDUCERS, build_method
 from sglang_unicache.signals import neighbour_redundancy
 

@@ -20,7 +20,7 @@ from sglang_unicache.plans import (
     RequestPlan,
     SelfCheckResult,
 )
-from sglang_unicache.reducers.quantize import quantize
+from sglang_unicache.quantize import quantize
 from sglang_unicache.registry import build_method
 
 from .conftest import make_inputs

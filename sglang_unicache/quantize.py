@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..plans import QuantizedTensor
+from .plans import QuantizedTensor
 
 Tensor = torch.Tensor
 QMAX = {8: 127, 4: 7}

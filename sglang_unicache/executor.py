@@ -11,9 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..heads import apply_head_merge
-from ..kernels.reference import gather_heads, merge_gather
-from ..plans import CompressedKV, CompressionPlan, LayerPlan
+from .heads import apply_head_merge
+from .kernels.reference import gather_heads, merge_gather
+from .plans import CompressedKV, CompressionPlan, LayerPlan
 from .quantize import bits_of, dequantize, quantize
 
 Tensor = torch.Tensor
