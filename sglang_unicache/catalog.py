@@ -1,14 +1,13 @@
 """The catalog of named parts and methods. Each part registers itself next to its definition:
 
-    @scorer("snapkv")
-    @dataclass(frozen=True)
-    class SnapKVScorer:
-        name: ClassVar[str] = "snapkv"      # capabilities are class attributes
+    @scorer("snapkv", needs_queries=True, query_dependent=True)   # name and capabilities
+    class SnapKVScorer:                      # made a frozen dataclass by the decorator
         pool_kernel: int = 7                 # parameters are fields
 
     method("snapkv", scorer="snapkv", budget="uniform", reducer="evict", keeps_window=True)
 
-A part is a frozen dataclass whose fields are its parameters; the registry builds it from the user's
+A part is a frozen dataclass whose fields are its parameters (the decorator makes it one and sets
+its ``name`` and capabilities); the registry builds it from the user's
 ``UniCacheConfig`` with ``from_config``, which copies the config fields of the same names
 (``prefix`` + field name: ``@budget("pyramid", prefix="pyramid_")`` reads ``pyramid_beta`` into
 ``PyramidBudget.beta``). So adding a method is one file in ``policies/`` (its scorer and its
@@ -64,25 +63,34 @@ def from_config(cls: type, config: object, prefix: str = "", **given: Any) -> An
     return cls(**given, **{name: getattr(config, prefix + name) for name in fields})
 
 
-def _part(table: dict, kind: str, name: str, prefix: str):
+def _part(table: dict, kind: str, name: str, prefix: str, capabilities: dict[str, bool]):
     def register(cls):
+        cls = dataclass(frozen=True)(cls)
+        cls.name = name
+        for capability, value in capabilities.items():
+            setattr(cls, capability, value)
         _add(table, kind, name, lambda config: from_config(cls, config, prefix))
         return cls
 
     return register
 
 
-def scorer(name: str, prefix: str = ""):
-    """Class decorator: register a scorer, built by ``from_config(cls, config, prefix)``."""
-    return _part(SCORERS, "scorer", name, prefix)
+def scorer(name: str, prefix: str = "", *, needs_queries: bool = False,
+           query_dependent: bool = False):
+    """Class decorator: make ``cls`` a frozen dataclass named ``name`` with these capabilities
+    (``policies/base.py``) and register it, built by ``from_config(cls, config, prefix)``."""
+    return _part(SCORERS, "scorer", name, prefix,
+                 {"needs_queries": needs_queries, "query_dependent": query_dependent})
 
 
-def budget(name: str, prefix: str = ""):
-    return _part(BUDGETS, "budget", name, prefix)
+def budget(name: str, prefix: str = "", *, needs_queries: bool = False,
+           keeps_everything: bool = False):
+    return _part(BUDGETS, "budget", name, prefix,
+                 {"needs_queries": needs_queries, "keeps_everything": keeps_everything})
 
 
-def reducer(name: str, prefix: str = ""):
-    return _part(REDUCERS, "reducer", name, prefix)
+def reducer(name: str, prefix: str = "", *, merges: bool = False):
+    return _part(REDUCERS, "reducer", name, prefix, {"merges": merges})
 
 
 def method(name: str, **spec) -> None:

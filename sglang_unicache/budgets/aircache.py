@@ -16,9 +16,6 @@ over all image tokens of the request, as the seed does).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 import torch
 
 from ..catalog import budget
@@ -48,14 +45,11 @@ def aircache_factors(strength: torch.Tensor, skew: torch.Tensor, floor: float) -
     return 0.5 * (minmax_across_layers(strength) + minmax_across_layers(skew)) + floor
 
 
-@budget("aircache", prefix="aircache_")
-@dataclass(frozen=True)
+@budget("aircache", prefix="aircache_", needs_queries=True)
 class AirCacheBudget(LayerBudget):
     """alpha: the elite window's threshold (``policies/aircache.py``, seed: 0.9); floor: added to
     the normalised layer scores (ours, 0.1)."""
 
-    name: ClassVar[str] = "aircache"
-    needs_queries: ClassVar[bool] = True
     alpha: float = 0.9
     floor: float = 0.1
 

@@ -19,9 +19,6 @@ this pyramid *hurts* LVLMs; it is here as a baseline.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 import torch
 
 from ..catalog import budget
@@ -38,11 +35,9 @@ def pyramid_factors(num_layers: int, beta: float) -> torch.Tensor:
 
 
 @budget("pyramid", prefix="pyramid_")
-@dataclass(frozen=True)
 class PyramidBudget(LayerBudget):
     """beta: the last layer keeps ``average / beta`` (paper: 20)."""
 
-    name: ClassVar[str] = "pyramid"
     beta: float = 20.0
 
     def layer_factors(self, ctx):

@@ -16,8 +16,6 @@ kept fractions ``1 - rate_l`` divided by their mean, so the average kept fractio
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
@@ -34,11 +32,9 @@ def cosine_rates(num_layers: int, shallow: float, deep: float) -> torch.Tensor:
 
 
 @budget("unicache")
-@dataclass(frozen=True)
 class UniCacheBudget(LayerBudget):
     """shallow_rate / deep_rate: compression rate of the first / last layer (seed: 0.75 / 0.45)."""
 
-    name: ClassVar[str] = "unicache"
     shallow_rate: float = 0.75
     deep_rate: float = 0.45
 

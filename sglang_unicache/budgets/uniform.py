@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 import torch
 
 from ..catalog import budget
@@ -12,21 +9,15 @@ from .base import LayerBudget
 
 
 @budget("uniform")
-@dataclass(frozen=True)
 class UniformBudget(LayerBudget):
-    name: ClassVar[str] = "uniform"
 
     def layer_factors(self, ctx):
         return torch.ones(ctx.num_layers)
 
 
-@budget("full")
-@dataclass(frozen=True)
+@budget("full", keeps_everything=True)
 class FullBudget(LayerBudget):
     """Every layer keeps the whole span (identity)."""
-
-    name: ClassVar[str] = "full"
-    keeps_everything: ClassVar[bool] = True
 
     def layer_factors(self, ctx):
         return torch.ones(ctx.num_layers)

@@ -20,9 +20,6 @@ Text tokens score 0 (AirCache compresses visual KV only).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 import torch
 
 from ..catalog import method, scorer
@@ -64,14 +61,10 @@ def elite_importance(ctx, layer: int, alpha: float) -> Tensor:
     return ctx.cached(f"aircache_importance_{alpha}", layer, fn)
 
 
-@scorer("aircache", prefix="aircache_")
-@dataclass(frozen=True)
+@scorer("aircache", prefix="aircache_", needs_queries=True, query_dependent=True)
 class AirCacheScorer:
     """alpha: the elite window's threshold, a fraction of the strongest candidate (seed: 0.9)."""
 
-    name: ClassVar[str] = "aircache"
-    needs_queries: ClassVar[bool] = True
-    query_dependent: ClassVar[bool] = True
     alpha: float = 0.9
 
     def score(self, ctx, layer):

@@ -4,8 +4,9 @@
 head of ``layer``; higher = keep. Scores of text tokens are computed too (used when
 ``compress_text`` is on) but only span columns are ever ranked, and only against tokens of the same
 span, so scorers need not make spans comparable. A scorer reads signals from ``PlanContext`` and
-never modifies inputs. It is a frozen dataclass whose fields are its parameters (built from the
-config by ``catalog.from_config``); the capabilities below are class attributes.
+never modifies inputs. Its fields are its parameters (built from the config by
+``catalog.from_config``); ``@scorer(name, needs_queries=..., query_dependent=...)`` makes it a
+frozen dataclass and sets its name and the capabilities below as class attributes.
 
 Capabilities (read by the compressor and the engine instead of isinstance checks):
 - ``needs_queries``: cannot run without observation queries (raises a clear ValueError).

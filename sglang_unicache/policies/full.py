@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 import torch
 
 from ..catalog import method, scorer
 
 
 @scorer("full")
-@dataclass(frozen=True)
 class FullScorer:
-    name: ClassVar[str] = "full"
-    needs_queries: ClassVar[bool] = False
-    query_dependent: ClassVar[bool] = False
 
     def score(self, ctx, layer):
         return torch.zeros(ctx.inputs.num_kv_heads, ctx.inputs.num_tokens, device=ctx.inputs.device)

@@ -11,18 +11,11 @@ captures the last W queries) we accumulate over the observation window.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 from ..catalog import method, scorer
 
 
-@scorer("h2o")
-@dataclass(frozen=True)
+@scorer("h2o", query_dependent=True)
 class H2OScorer:
-    name: ClassVar[str] = "h2o"
-    needs_queries: ClassVar[bool] = False
-    query_dependent: ClassVar[bool] = True
 
     def score(self, ctx, layer):
         acc = ctx.inputs.accumulated_attention

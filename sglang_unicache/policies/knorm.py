@@ -7,18 +7,11 @@ Question-independent: the only baseline whose selection does not depend on the f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 from ..catalog import method, scorer
 
 
 @scorer("knorm")
-@dataclass(frozen=True)
 class KNormScorer:
-    name: ClassVar[str] = "knorm"
-    needs_queries: ClassVar[bool] = False
-    query_dependent: ClassVar[bool] = False
 
     def score(self, ctx, layer):
         return -ctx.key_norm(layer)

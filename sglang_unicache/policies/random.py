@@ -6,20 +6,13 @@ inputs' device, so the plan does not depend on the device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 import torch
 
 from ..catalog import method, scorer
 
 
 @scorer("random")
-@dataclass(frozen=True)
 class RandomScorer:
-    name: ClassVar[str] = "random"
-    needs_queries: ClassVar[bool] = False
-    query_dependent: ClassVar[bool] = False
     seed: int = 0
 
     def score(self, ctx, layer):

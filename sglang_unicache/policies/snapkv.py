@@ -13,19 +13,12 @@ is what the engine captured (``obs_positions``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 from ..catalog import method, scorer
 from ..signals import max_pool_tokens
 
 
-@scorer("snapkv")
-@dataclass(frozen=True)
+@scorer("snapkv", needs_queries=True, query_dependent=True)
 class SnapKVScorer:
-    name: ClassVar[str] = "snapkv"
-    needs_queries: ClassVar[bool] = True
-    query_dependent: ClassVar[bool] = True
     pool_kernel: int = 7
 
     def score(self, ctx, layer):

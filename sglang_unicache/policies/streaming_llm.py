@@ -11,7 +11,6 @@ positions; we apply the rule once, after prefill, to the image span, and keep or
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -20,11 +19,7 @@ from ..catalog import method, scorer
 
 
 @scorer("streaming_llm")
-@dataclass(frozen=True)
 class StreamingLLMScorer:
-    name: ClassVar[str] = "streaming_llm"
-    needs_queries: ClassVar[bool] = False
-    query_dependent: ClassVar[bool] = False
     N_SINK: ClassVar[int] = 4
 
     def score(self, ctx, layer):

@@ -13,18 +13,11 @@ image span only (the one-shot form kvpress also uses).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 from ..catalog import method, scorer
 
 
-@scorer("tova")
-@dataclass(frozen=True)
+@scorer("tova", needs_queries=True, query_dependent=True)
 class TOVAScorer:
-    name: ClassVar[str] = "tova"
-    needs_queries: ClassVar[bool] = True
-    query_dependent: ClassVar[bool] = True
 
     def score(self, ctx, layer):
         ctx.require_queries(self.name)

@@ -27,9 +27,6 @@ is 0.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 import torch
 
 from ..catalog import method, scorer
@@ -59,17 +56,13 @@ def cross_modal(ctx, layer: int) -> torch.Tensor:
     return c
 
 
-@scorer("unicache")
-@dataclass(frozen=True)
+@scorer("unicache", query_dependent=True)
 class UniCacheScorer:
     """Parameters (seed §8.1 defaults): the weights ``w_attention`` 0.4, ``w_cross`` 0.3,
     ``w_redundancy`` 0.2, ``w_recency`` 0.1; ``layer_dependent_weights`` (seed §4.3) replaces
     w_d by ``shallow_w_redundancy`` 0.3 in the first third of the layers and w_a by
     ``deep_w_attention`` 0.5 in the last; ``query_weight`` q (ours, 1.0 = the seed's formula)."""
 
-    name: ClassVar[str] = "unicache"
-    needs_queries: ClassVar[bool] = False
-    query_dependent: ClassVar[bool] = True
     w_attention: float = 0.4
     w_cross: float = 0.3
     w_redundancy: float = 0.2

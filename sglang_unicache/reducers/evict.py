@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 from ..catalog import reducer
 from .base import keep_only
 
 
 @reducer("evict")
-@dataclass(frozen=True)
 class EvictReducer:
     """Keep the selected entries as exact copies; every other token of the span is evicted."""
-
-    name: ClassVar[str] = "evict"
-    merges: ClassVar[bool] = False  # capability: entries never have more than one member
 
     def reduce(self, ctx, layer, seg, kept, scores):
         return keep_only(kept, seg.length)

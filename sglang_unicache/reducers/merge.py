@@ -17,9 +17,6 @@ the executor restores the merged vector's norm to the members' weighted mean nor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 import torch
 import torch.nn.functional as F
 
@@ -28,14 +25,11 @@ from ..signals import masked_minmax
 from .base import keep_only
 
 
-@reducer("merge")
-@dataclass(frozen=True)
+@reducer("merge", merges=True)
 class MergeReducer:
     """merge_threshold: redundancy d above which an evicted token may merge (seed: 0.8);
     evict_low: the least cosine to its kept entry a merged token needs (seed's evict band: 0.5)."""
 
-    name: ClassVar[str] = "merge"
-    merges: ClassVar[bool] = True
     merge_threshold: float = 0.8
     evict_low: float = 0.5
 
