@@ -49,42 +49,64 @@ Tensor = torch.Tensor
 STATISTICS = SELFCHECK_STATISTICS  # the order of layer_stats' output
 
 
+def _reference(ctx, layer: int, spans: tuple) -> dict | None:
+    """Everything of one layer's check that does not depend on the plan, computed once per
+    ``Method.plan`` (an escalation re-plans at a larger K and reuses it): the valid observation
+    queries, the full and the rest-of-request attention over them, each span's original logits
+    and unit keys. None when no observation query is valid."""
+
+    def compute() -> dict | None:
+        inp = ctx.inputs
+        pos = ctx.obs_positions
+        valid = torch.ones_like(pos, dtype=torch.bool)
+        for start, end in spans:
+            valid &= (pos >= end - 1) | (pos < start)
+        if not bool(valid.any()):
+            return None
+        q, pos = inp.obs_queries[layer][valid], pos[valid]
+        keys, values = inp.keys[layer], inp.values[layer]
+        compressed = torch.zeros(inp.num_tokens, dtype=torch.bool, device=keys.device)
+        for start, end in spans:
+            compressed[start:end] = True
+        out_p, lse_p = window_attend(q, keys, values, inp.scale, pos, None, ctx.stats_chunk)
+        out_rest, lse_rest = window_attend(q, keys, values, inp.scale, pos, ~compressed,
+                                           ctx.stats_chunk)
+        per_span = []
+        for start, end in spans:
+            sees = (pos >= end - 1).view(1, 1, -1, 1)
+            l_orig = _logits(q, keys[start:end], inp.scale).masked_fill(~sees, float("-inf"))
+            unit = torch.nn.functional.normalize(ctx.keys(layer)[start:end].float(), dim=-1)
+            per_span.append((sees, l_orig, unit.transpose(0, 1)))  # unit: [H, N, D]
+        return {"q": q, "out_p": out_p, "lse_p": lse_p, "out_rest": out_rest,
+                "lse_rest": lse_rest, "spans": per_span}
+
+    return ctx.cached(f"selfcheck reference {spans}", layer, compute)
+
+
 def layer_stats(ctx, layer: int, plans: list[CompressionPlan]) -> Tensor | None:
     """``[len(STATISTICS)]`` statistics of one layer, or None (no valid observation query)."""
     inp = ctx.inputs
-    pos = ctx.obs_positions
     plans = [p for p in plans if not p.skipped]
-    valid = torch.ones_like(pos, dtype=torch.bool)
-    for p in plans:
-        valid &= (pos >= p.span.end - 1) | (pos < p.span.start)
-    if not plans or not bool(valid.any()):
+    if not plans:
         return None
-    q, pos = inp.obs_queries[layer][valid], pos[valid]
-    keys, values = inp.keys[layer], inp.values[layer]
-    compressed = torch.zeros(inp.num_tokens, dtype=torch.bool, device=keys.device)
-    for p in plans:
-        compressed[p.span.start : p.span.end] = True
-    chunk = ctx.stats_chunk
-    out_p, lse_p = window_attend(q, keys, values, inp.scale, pos, None, chunk)
-    out_q, lse_rest = window_attend(q, keys, values, inp.scale, pos, ~compressed, chunk)
+    ref = _reference(ctx, layer, tuple((p.span.start, p.span.end) for p in plans))
+    if ref is None:
+        return None
+    q, lse_p, lse_rest = ref["q"], ref["lse_p"], ref["lse_rest"]
     parts, coverage = [], []
-    for p in plans:
+    for p, (sees, l_orig, unit) in zip(plans, ref["spans"], strict=True):
         sl = slice(p.span.start, p.span.end)
         lp = p.layers[layer]
-        span_k = ctx.keys(layer)[sl]
-        k_c, v_c = execute_layer(lp, span_k, ctx.values(layer)[sl])
-        sees = (pos >= p.span.end - 1).view(1, 1, -1, 1)
-        l_orig = _logits(q, keys[sl], inp.scale).masked_fill(~sees, float("-inf"))
+        k_c, v_c = execute_layer(lp, ctx.keys(layer)[sl], ctx.values(layer)[sl])
         l_comp = _logits(q, k_c, inp.scale).masked_fill(~sees, float("-inf"))
         parts.append((lp, l_orig, l_comp, v_c))
-        unit = torch.nn.functional.normalize(span_k.float(), dim=-1).transpose(0, 1)  # [H, N, D]
         kept = torch.gather(unit, 1, lp.kept.long().unsqueeze(-1).expand(-1, -1, unit.shape[-1]))
         coverage.append(1.0 - torch.bmm(unit, kept.transpose(1, 2)).amax(-1).mean())
     lse_q = lse_rest
     for _, _, l_comp, _ in parts:
         lse_q = torch.logaddexp(lse_q, torch.logsumexp(l_comp, dim=-1))
     safe_q = torch.where(torch.isfinite(lse_q), lse_q, torch.zeros_like(lse_q))
-    out_q = out_q * torch.exp(lse_rest - safe_q).nan_to_num(0.0).unsqueeze(-1)
+    out_q = ref["out_rest"] * torch.exp(lse_rest - safe_q).nan_to_num(0.0).unsqueeze(-1)
     kl = torch.exp(lse_rest - lse_q).nan_to_num(0.0) * (lse_p - lse_q)
     image_p = torch.zeros_like(lse_p)
     image_kept = torch.zeros_like(lse_p)
@@ -105,6 +127,7 @@ def layer_stats(ctx, layer: int, plans: list[CompressionPlan]) -> Tensor | None:
         image_p = image_p + p_span.sum(-1)
         kept = lp.kept.long().view(h, 1, 1, -1).expand(h, g, w, -1)
         image_kept = image_kept + torch.gather(p_span, 3, kept).sum(-1)
+    out_p = ref["out_p"]
     error = (out_q - out_p).norm(dim=-1) / out_p.norm(dim=-1).clamp_min(1e-12)
     lost = torch.where(image_p > 0, 1.0 - image_kept / image_p.clamp_min(1e-30), 0.0)
     return torch.stack([

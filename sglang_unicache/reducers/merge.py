@@ -40,23 +40,28 @@ class MergeReducer:
         if k == n:
             return assign, (assign >= 0).float()
         sl = slice(seg.start, seg.end)
-        x = (
-            torch.cat(
-                [
-                    F.normalize(ctx.keys(layer)[sl].float(), dim=-1),
-                    F.normalize(ctx.values(layer)[sl].float(), dim=-1),
-                ],
-                -1,
-            )
-            / 2**0.5
-        )
-        xh = x.transpose(0, 1)  # [H, N, 2D]
-        xk = torch.gather(xh, 1, kept.unsqueeze(-1).expand(h, k, xh.shape[-1]))
-        best_sim, best = torch.bmm(xh, xk.transpose(1, 2)).max(dim=-1)  # [H, N]
         d = ctx.redundancy(layer)[:, sl]
-        merge = (assign < 0) & (d > self.merge_threshold) & (best_sim >= self.evict_low)
+        candidate = (assign < 0) & (d > self.merge_threshold)  # evicted and redundant
+        rows = candidate.any(0).nonzero().flatten()
+        if rows.numel() == 0:
+            return assign, merge_weights(scores, assign, k)
+        xh = ctx.cached(f"merge unit kv {seg.start}", layer, lambda: unit_kv(ctx, layer, sl))
+        xk = torch.gather(xh, 1, kept.unsqueeze(-1).expand(h, k, xh.shape[-1]))
+        # Only the candidate rows need their most similar kept entry (one bmm over those rows).
+        sim, near = torch.bmm(xh[:, rows], xk.transpose(1, 2)).max(dim=-1)  # [H, R]
+        best_sim = torch.full((h, n), -2.0, device=sim.device).index_copy_(1, rows, sim)
+        best = torch.zeros(h, n, dtype=near.dtype, device=near.device).index_copy_(1, rows, near)
+        merge = candidate & (best_sim >= self.evict_low)
         assign = torch.where(merge, best.to(torch.int32), assign)
         return assign, merge_weights(scores, assign, k)
+
+
+def unit_kv(ctx, layer: int, sl: slice) -> torch.Tensor:
+    """``[H, N, 2D]``: each token's unit key and unit value side by side, scaled so that the dot
+    product of two rows is the mean of their key and value cosines."""
+    x = torch.cat([F.normalize(ctx.keys(layer)[sl].float(), dim=-1),
+                   F.normalize(ctx.values(layer)[sl].float(), dim=-1)], -1) / 2**0.5
+    return x.transpose(0, 1)
 
 
 def merge_weights(scores: torch.Tensor, assign: torch.Tensor, k: int) -> torch.Tensor:

@@ -158,6 +158,36 @@ def test_failed_selfcheck_escalates_the_budget_before_falling_back() -> None:
     assert not once.fallback and once.spans[0].physical_slots == 5
 
 
+def test_an_escalation_reuses_what_does_not_depend_on_the_plan(monkeypatch) -> None:
+    """Issue 19: each re-plan at a doubled K recomputes only what K changes. The self-check's
+    attention over the whole request (two passes per checked layer) and the merge's unit K/V
+    are computed once per request, however many times the check escalates."""
+    from sglang_unicache.checks import selfcheck
+    from sglang_unicache.reducers import merge
+
+    inp = make_inputs(group=1)
+    q = torch.stack([inp.keys[li][[7, 7, 7, 63, 63, 63]] * 6.0 for li in range(3)])
+    inp = ScoreInputs(inp.keys, inp.values, inp.spans, obs_queries=q)
+    calls = {"attend": [], "unit": []}
+    attend, unit = selfcheck.window_attend, merge.unit_kv
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name].append(args[1:])
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(selfcheck, "window_attend", counted("attend", attend))
+    monkeypatch.setattr(merge, "unit_kv", counted("unit", unit))
+    cfg = UniCacheConfig(keep_ratio=0.05, selfcheck_threshold=1e-6, escalate_max_keep=0.4,
+                         selfcheck_layers=2)
+    plan = build_method(cfg).plan(inp)
+    assert plan.escalations == 3 and plan.fallback
+    assert len(calls["attend"]) == 2 * 2  # full and rest-of-request, per checked layer, once
+    units = [(layer, sl.start) for layer, sl in calls["unit"]]  # (layer, span) of each call
+    assert units and len(units) == len(set(units))  # merges happened, each pair computed once
+
+
 def test_selfcheck_statistics_are_zero_when_nothing_is_lost() -> None:
     inp = make_inputs()
     kept_all = build_method(UniCacheConfig(method="knorm", keep_ratio=1.0)).plan(inp)
