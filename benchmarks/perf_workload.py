@@ -23,6 +23,7 @@ import time
 from functools import partial
 from pathlib import Path
 
+from benchmarks import scheduler_phases
 from tests.support.client import chat, flush_cache, internal_state, stream_chat
 from tests.support.images import data_url, image_chat, solid_png
 from tests.support.server import start_server
@@ -202,8 +203,9 @@ def streaming(model: Path, servers: dict[str, list[str]], log_dir: Path, *, batc
     once, so later prefills land while earlier requests decode. Per request, the time per output
     token from its first token to its last (``tpot``: mean and worst request), and every gap
     between two tokens (``itl`` p50/p99 over all requests); with the plugin, compression time as
-    a share of prefill time (the scheduler's own counters). Each server's row carries its ratio to
-    the first server (stock) as ``tpot_vs_stock``."""
+    a share of prefill time (the scheduler's own counters), and where the scheduler spent the
+    run by phase (``scheduler_phases.py``, a py-spy sample). Each server's row carries its ratio
+    to the first server (stock) as ``tpot_vs_stock``."""
     bodies = multi_image_bodies(batch, images, image_px, max_tokens)
     pool = batch * (images * (image_px // 28) ** 2 + 64 + max_tokens)
     extra = ["--max-total-tokens", str(pool), "--max-running-requests", str(batch)]
@@ -214,8 +216,12 @@ def streaming(model: Path, servers: dict[str, list[str]], log_dir: Path, *, batc
             chat(server, image_chat(picture(65_000), "what colour is it?", max_tokens=2))
             flush_cache(server)
             before = internal_state(server).get("unicache", {})
-            with futures.ThreadPoolExecutor(max_workers=batch) as clients:
-                outs = list(clients.map(partial(stream_chat, server, timeout=900), bodies))
+            sampler = scheduler_phases.record(server, log_dir / f"streaming-{i}.pyspy")
+            try:
+                with futures.ThreadPoolExecutor(max_workers=batch) as clients:
+                    outs = list(clients.map(partial(stream_chat, server, timeout=900), bodies))
+            finally:
+                scheduler_phases.stop(sampler)
             after = internal_state(server).get("unicache", {})
         finally:
             server.stop()
@@ -230,6 +236,7 @@ def streaming(model: Path, servers: dict[str, list[str]], log_dir: Path, *, batc
             prefill = after["prefill_seconds"] - before.get("prefill_seconds", 0.0)
             compress = after["compress_seconds"] - before.get("compress_seconds", 0.0)
             row["compress_share_of_prefill"] = round(compress / max(prefill, 1e-9), 3)
+        row["scheduler_phases"] = scheduler_phases.phases(log_dir / f"streaming-{i}.pyspy")
         rows.append(row)
     for row in rows:
         row["tpot_vs_stock"] = round(row["tpot_ms"] / rows[0]["tpot_ms"], 2)
