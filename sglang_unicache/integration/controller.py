@@ -140,6 +140,7 @@ class Controller:
     # metadata and the index by image (what a later request's ids are rewritten to).
     tree: object | None = None
     mrope: bool = True  # positions through M-RoPE data (Qwen2-VL); else a 1-D offset per request
+    dp_rank: int = 0  # which data-parallel replica this scheduler is (/server_info shows it)
     # Per request state lives on the request itself, so it dies with it (an aborted request
     # leaves nothing behind): ``req.unicache_rewrites``, every rewrite of its ids (the reuse
     # rewrite at match time, then the compression of its own images), oldest first;
@@ -452,7 +453,7 @@ class Controller:
                 "recompress_slots_freed": shrunk.slots_freed if shrunk else 0}
 
     def snapshot(self) -> dict:
-        return {**self.counters(), **self.gauges(),
+        return {"dp_rank": self.dp_rank, **self.counters(), **self.gauges(),
                 "available_slots": int(self.allocator.available_size()),
                 "radix_cache": type(self.tree).__name__ if self.tree is not None else None,
                 "method": self.config.method, "keep_ratio": self.config.keep_ratio,

@@ -130,11 +130,17 @@ def after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any)
         raise flags.UniCacheFlagError("--unicache needs --disable-overlap-schedule")
     allocator = scheduler.token_to_kv_pool_allocator
     tree = scheduler.tree_cache
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    # One writer of /metrics per model replica: the gauges sum over data-parallel ranks.
+    exports = scheduler.server_args.enable_metrics and parallel.tp_rank == 0
     controller = Controller(
         config, scheduler.req_to_token_pool.req_to_token, allocator.get_kvcache(), allocator,
-        metrics=Metrics() if scheduler.server_args.enable_metrics else None,
+        metrics=Metrics() if exports else None,
         tree=tree if isinstance(tree, radix_cache.CompressedRadixCache) else None,
-        mrope=bool(scheduler.model_config.model_is_mrope))
+        mrope=bool(scheduler.model_config.model_is_mrope),
+        dp_rank=parallel.dp_rank or 0)
     STATE.controller, STATE.scheduler = controller, scheduler
     logger.info("sglang-unicache: scheduler received config method=%s keep_ratio=%s "
                 "min_image_tokens=%s", config.method, config.keep_ratio, config.min_image_tokens)

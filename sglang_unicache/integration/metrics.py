@@ -4,7 +4,8 @@ SGLang runs prometheus_client in multiprocess mode; metrics created in the sched
 after it set ``PROMETHEUS_MULTIPROC_DIR`` are served by the HTTP server with its own. The
 controller's counters (``Controller.counters``) stay the single source of truth: ``sync`` turns
 their growth since the last call into counter increments, once per scheduled batch; gauges are
-set to the value the caller read.
+set to the value the caller read. Only tensor-parallel rank 0 of each replica exports, so with
+``--dp-size`` the counters and the gauges (``livesum``) add up over the data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class Metrics:
                          for name, doc in COUNTERS.items()}
         self.seen = dict.fromkeys(COUNTERS, 0)
         self.gauges = {name: Gauge(f"sglang_unicache_{name}", doc,
-                                   multiprocess_mode="livemostrecent")
+                                   multiprocess_mode="livesum")
                        for name, doc in GAUGES.items()}
 
     def sync(self, counters: dict[str, float], gauges: dict[str, float] | None = None) -> None:
