@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_unicache.integration import flags, positions, radix_cache
+from sglang_unicache.integration import flags, positions, radix_cache, routing
 from sglang_unicache.integration.capture import QueryCapture
 from sglang_unicache.integration.controller import Controller
 from sglang_unicache.integration.integrity import check_integrity
@@ -245,6 +245,23 @@ def after_get_internal_state(result: Any, state_controller: Any, *args: Any, **k
             **STATE.controller.snapshot(),
             "integrity": check_integrity(state_controller.scheduler)}
     return result
+
+
+@hook("sglang.srt.managers.data_parallel_controller.DataParallelController."
+      "maybe_external_dp_rank_routing", "AROUND")
+def around_dp_routing(original: Any, dp_controller: Any, req: Any) -> Any:
+    """With ``--unicache --dp-size N``: a request with an image goes to the replica holding that
+    image (``routing.py``); SGLang then routes it as if the client had named the rank."""
+    if flags.config_of(dp_controller.server_args) is None:
+        return original(dp_controller, req)
+    affinity = getattr(dp_controller, "unicache_affinity", None)
+    if affinity is None:
+        affinity = dp_controller.unicache_affinity = routing.ImageAffinity(
+            len(dp_controller.workers))
+    key = routing.image_key(req) if req.routed_dp_rank is None else None
+    if key is not None:
+        req.routed_dp_rank = affinity.pick(key, list(dp_controller._active_workers))
+    return original(dp_controller, req)
 
 
 @hook("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", "AFTER")

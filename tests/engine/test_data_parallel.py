@@ -1,0 +1,51 @@
+"""``--unicache --dp-size 2`` on CPU (issue 15): each image is compressed once, on one replica,
+and every later question about it goes there and reuses the span; each replica's stats name it,
+and /metrics sums the replicas."""
+
+from __future__ import annotations
+
+import requests
+
+from tests.support.client import chat, flush_cache
+from tests.support.images import image_chat, solid_png
+
+IMAGE_TOKENS = 64
+KEPT = 16  # knorm at keep 0.25 of a 64-token image
+COLOURS = [(250, 10, 10), (10, 250, 10), (10, 10, 250), (250, 250, 10), (10, 250, 250),
+           (250, 10, 250)]
+
+
+def replicas(server) -> list[dict]:
+    states = requests.get(f"{server.url}/server_info", timeout=30).json()["internal_states"]
+    return sorted((state["unicache"] for state in states), key=lambda s: s["dp_rank"])
+
+
+def test_each_image_is_compressed_once_and_reused_on_its_replica(server_factory,
+                                                                   nocheck_config) -> None:
+    server = server_factory("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio",
+                            "0.25", "--unicache-config", nocheck_config, "--dp-size", "2",
+                            "--enable-metrics", "--enable-cache-report")
+    flush_cache(server)
+    before = replicas(server)
+    assert [s["dp_rank"] for s in before] == [0, 1]
+    for question in ("what colour is it?", "describe the picture", "what shape is it?"):
+        for colour in COLOURS:
+            out = chat(server, image_chat(solid_png(colour), question, max_tokens=2))
+            if question != "what colour is it?":  # a repeat: served from the cached span
+                assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= IMAGE_TOKENS
+    after = replicas(server)
+    grew = [{key: a[key] - b[key] for key in ("images_compressed", "spans_reused",
+                                               "images_prefilled")}
+            for a, b in zip(after, before, strict=True)]
+    assert sum(g["images_compressed"] for g in grew) == len(COLOURS)  # once each, in all
+    assert sum(g["images_prefilled"] for g in grew) == len(COLOURS)  # encoded once each
+    assert sum(g["spans_reused"] for g in grew) == 2 * len(COLOURS)
+    assert all(g["images_compressed"] >= 1 for g in grew), "every image on one replica"
+    assert all(state["integrity"] == [] for state in after)
+
+    held = sum(state["compressed_slots_held"] for state in after)
+    assert held == KEPT * len(COLOURS)
+    metrics = requests.get(f"{server.url}/metrics", timeout=30).text
+    gauge = [float(line.split()[-1]) for line in metrics.splitlines()
+             if line.startswith("sglang_unicache_compressed_slots_held")]
+    assert gauge == [held], "the gauge is the sum over the replicas"
