@@ -11,8 +11,8 @@ from tests.support.images import image_chat, solid_png
 
 IMAGE_TOKENS = 64
 KEPT = 16  # knorm at keep 0.25 of a 64-token image
-COLOURS = [(250, 10, 10), (10, 250, 10), (10, 10, 250), (250, 250, 10), (10, 250, 250),
-           (250, 10, 250)]
+# An odd number of images: round robin would send each image's next question to the other replica.
+COLOURS = [(250, 10, 10), (10, 250, 10), (10, 10, 250), (250, 250, 10), (10, 250, 250)]
 
 
 def replicas(server) -> list[dict]:
