@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from sglang_unicache.registry import known_methods
 from tests.support.server import cpu_env
 
 
@@ -39,8 +40,7 @@ def error_of(prepare, *argv, model=None) -> str:
     (["--unicache-keep-ratio", "1.5"], "keep_ratio must be in (0, 1], got 1.5"),
     (["--unicache-keep-ratio", "a"], "--unicache-keep-ratio: expected a number, got 'a'"),
     (["--unicache-method", "lru"], "--unicache-method: unicache config: method must be one of "
-                                   "unicache, aircache, full, h2o, knorm, pyramidkv, random, "
-                                   "snapkv, tova; got 'lru'"),
+                                   f"{', '.join(known_methods())}; got 'lru'"),
     (["--unicache-min-image-tokens", "-3"], "--unicache-min-image-tokens: "),
     (["--unicache-config", "/nonexistent/u.json"], "--unicache-config: cannot read"),
     (["--page-size", "16"], "--page-size 16: --unicache needs page size 1"),
