@@ -15,8 +15,9 @@ the functions that mark it:
 - idle: the scheduler waiting for requests;
 - other: the rest (request intake, logging, ...).
 
-py-spy samples wall time of the scheduler's main thread (``--idle`` on), so the shares add up to
-the recorded wall time.
+py-spy samples every thread with ``--idle`` on; only the main thread's samples (under
+``run_scheduler_process``: the loop and every forward) are counted, so the shares add up to the
+recorded wall time of the scheduler loop.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from collections import Counter
 from pathlib import Path
 
 import psutil
+
+MAIN = "run_scheduler_process"  # the scheduler's main thread: its loop and every forward
 
 # (phase, marker) in priority order: the first marker found anywhere in a stack names its phase.
 MARKERS = [
@@ -77,6 +80,8 @@ def phases(path: Path) -> dict[str, float]:
         if not stack:
             continue
         frames = stack.split(";")
+        if not any(MAIN in frame for frame in frames):
+            continue  # another thread of the process (watchdog, progress bars)
         phase = next((name for name, marker in MARKERS
                       if any(marker in frame for frame in frames)), "other")
         counts[phase] += int(n)

@@ -16,6 +16,7 @@ def test_samples_are_split_by_the_first_marked_phase(tmp_path) -> None:
         f"{LOOP};process_batch_result (s.py:7);around_checkpoint_kv_cache (h.py:1);"
         "on_checkpoint (c.py:8) 1",
         f"{LOOP};recv_requests (s.py:9) 0",  # a phase with no samples is listed at 0
+        "Thread._bootstrap (threading.py:1);WatchdogRaw._watchdog_thread (w.py:2) 50",
     ]) + "\n")
     assert phases(raw) == {"vision encoder": 0.6, "prefill forward": 0.2, "decode forward": 0.1,
                            "compression": 0.1, "idle": 0.0}
