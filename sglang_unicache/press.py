@@ -123,7 +123,9 @@ class _Press:
         rotary = sys.modules[type(module).__module__].apply_rotary_pos_emb
         q, _ = rotary(q, q, cos[..., -w:, :], sin[..., -w:, :])
         self.queries[module.layer_idx] = q[0].transpose(0, 1).detach()  # [W, Hq, D]
-        self.cache = kwargs.get("past_key_values") or self.cache
+        cache = kwargs.get("past_key_values")
+        if cache is not None:
+            self.cache = cache
 
     def after_model(self, module, args, kwargs, output) -> None:
         if self.spans and self.cache is not None:
