@@ -213,6 +213,18 @@ def main() -> None:
         decode_model = Path(args.decode_model) if args.decode_model else build_tiny_qwen2_vl(
             work / "tiny-qwen2-vl-decode", **DECODE_MODEL)
         results["decode"] = decode(decode_model, servers, log_dir, batch=args.decode_batch)
+    if "dp" in parts:
+        # --dp-size 2 (issue 15): the workload with SGLang's round robin, then with image routing.
+        round_robin = work / "round-robin.json"
+        round_robin.write_text(json.dumps({"selfcheck": False, "dp_routing": False}))
+        dp = ["--dp-size", "2"]
+        results["dp"] = workload(model, {
+            f"unicache {args.method} keep 0.1, dp 2, round robin (dp_routing false)":
+                flags_for(args.method, 0.1, round_robin) + dp,
+            f"unicache {args.method} keep 0.1, dp 2, image routing (default)":
+                flags_for(args.method, 0.1, config) + dp},
+            log_dir, images=args.images, conversations=args.conversations, turns=args.turns,
+            concurrency=args.clients)
     if "streaming" in parts:
         stream_model = Path(args.streaming_model) if args.streaming_model else \
             build_tiny_qwen2_vl(work / "tiny-qwen2-vl-streaming", **STREAMING_MODEL)

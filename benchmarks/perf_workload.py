@@ -23,6 +23,8 @@ import time
 from functools import partial
 from pathlib import Path
 
+import requests
+
 from benchmarks import scheduler_phases
 from tests.support.client import chat, flush_cache, internal_state, stream_chat
 from tests.support.images import data_url, image_chat, solid_png
@@ -100,13 +102,15 @@ def workload(model: Path, servers: dict[str, list[str]], log_dir: Path, *, image
         prefilled = sum(logged(server, offset, r"Prefill batch.*?#new-token: (\d+)"))
         cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usage)
         ttft = [1000 * out["times"][0] for out in outs]
+        states = requests.get(f"{server.url}/server_info", timeout=30).json()["internal_states"]
+        compressed = sum(s.get("unicache", {}).get("images_compressed", 0) for s in states)
         return {"pool_tokens": pool, "requests": len(outs), "prompt_tokens": prompt,
                 "hit_rate": round(1 - prefilled / prompt, 3),
                 "usage_cached_share": round(cached / prompt, 3),
                 "ttft_p50_ms": round(percentile(ttft, 0.5)),
                 "ttft_p99_ms": round(percentile(ttft, 0.99)),
                 "output_tok_s": round(sum(u["completion_tokens"] for u in usage) / wall, 1),
-                "requests_s": round(len(outs) / wall, 2)}
+                "requests_s": round(len(outs) / wall, 2), "images_compressed": compressed}
 
     return on_each(model, servers, ["--max-total-tokens", str(pool)], log_dir / "workload",
                    measure, ["hit_rate", "ttft_p50_ms", "ttft_p99_ms", "output_tok_s",

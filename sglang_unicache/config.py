@@ -88,6 +88,8 @@ class UniCacheConfig:
     )
     keep_ratio: float = doc(0.1, "fraction of an image span's KV kept, (0, 1]")
     min_image_tokens: int = doc(16, "spans shorter than this are left uncompressed (ours)")
+    dp_routing: bool = doc(True, "with --dp-size: a request with an image goes to the replica "
+                                 "holding that image (docs/scale-out.md; false: SGLang's routing)")
     preset: str = doc("default", "seed §8.2 scenario; applied by from_mapping/preset()")
     scorer: str | None = doc(
         None, "override the method's scorer (composition), None = method default"

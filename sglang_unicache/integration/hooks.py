@@ -252,7 +252,8 @@ def after_get_internal_state(result: Any, state_controller: Any, *args: Any, **k
 def around_dp_routing(original: Any, dp_controller: Any, req: Any) -> Any:
     """With ``--unicache --dp-size N``: a request with an image goes to the replica holding that
     image (``routing.py``); SGLang then routes it as if the client had named the rank."""
-    if flags.config_of(dp_controller.server_args) is None:
+    config = flags.config_of(dp_controller.server_args)
+    if config is None or not config.dp_routing:
         return original(dp_controller, req)
     affinity = getattr(dp_controller, "unicache_affinity", None)
     if affinity is None:
