@@ -49,3 +49,20 @@ def test_each_image_is_compressed_once_and_reused_on_its_replica(server_factory,
     gauge = [float(line.split()[-1]) for line in metrics.splitlines()
              if line.startswith("sglang_unicache_compressed_slots_held")]
     assert gauge == [held], "the gauge is the sum over the replicas"
+
+
+def test_dp_routing_false_gives_sglang_its_routing_back(server_factory, tmp_path_factory) -> None:
+    """Round robin again: with an odd number of images each image's next question goes to the
+    other replica, which encodes and compresses it a second time."""
+    config = tmp_path_factory.mktemp("cfg") / "round_robin.yaml"
+    config.write_text("selfcheck: false\ndp_routing: false\n")
+    server = server_factory("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio",
+                            "0.25", "--unicache-config", str(config), "--dp-size", "2")
+    flush_cache(server)
+    before = sum(s["images_compressed"] for s in replicas(server))
+    for question in ("what colour is it?", "describe the picture"):
+        for colour in COLOURS:
+            chat(server, image_chat(solid_png(colour), question, max_tokens=2))
+    after = replicas(server)
+    assert sum(s["images_compressed"] for s in after) - before == 2 * len(COLOURS)
+    assert all(state["integrity"] == [] for state in after)
