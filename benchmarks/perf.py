@@ -223,8 +223,8 @@ def main() -> None:
                 flags_for(args.method, 0.1, round_robin) + dp,
             f"unicache {args.method} keep 0.1, dp 2, image routing (default)":
                 flags_for(args.method, 0.1, config) + dp},
-            log_dir, images=args.images, conversations=args.conversations, turns=args.turns,
-            concurrency=args.clients)
+            log_dir, ratio_label="image routing / round robin", images=args.images,
+            conversations=args.conversations, turns=args.turns, concurrency=args.clients)
     if "streaming" in parts:
         stream_model = Path(args.streaming_model) if args.streaming_model else \
             build_tiny_qwen2_vl(work / "tiny-qwen2-vl-streaming", **STREAMING_MODEL)

@@ -20,6 +20,7 @@ import concurrent.futures as futures
 import random
 import re
 import time
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -49,22 +50,29 @@ def logged(server, offset: int, pattern: str) -> list[int]:
     return [int(n) for n in re.findall(pattern, server.log()[offset:])]
 
 
+@contextmanager
+def warmed(model: Path, flags: list[str], log: Path):
+    """A started server, warmed up by one image request, its tree empty; stopped on exit."""
+    server = start_server(model, flags, log)
+    try:
+        chat(server, image_chat(picture(65_000), "what colour is it?", max_tokens=2))
+        flush_cache(server)
+        yield server
+    finally:
+        server.stop()
+
+
 def on_each(model: Path, servers: dict[str, list[str]], extra: list[str], log: Path,
-            measure, ratio_keys: list[str]) -> list[dict]:
-    """``measure(server)`` on each server in turn (warmed up, empty tree), then a
-    ``plugin / stock`` row for ``ratio_keys`` (the first server is stock, the second the plugin)."""
+            measure, ratio_keys: list[str], ratio_label: str = "plugin / stock") -> list[dict]:
+    """``measure(server)`` on each server in turn (``warmed``), then a ``ratio_label`` row for
+    ``ratio_keys``: the second server over the first (by default the plugin over stock)."""
     rows = []
     for i, (name, flags) in enumerate(servers.items()):
-        server = start_server(model, flags + extra, f"{log}-{i}.log")
-        try:
-            chat(server, image_chat(picture(65_000), "what colour is it?", max_tokens=2))
-            flush_cache(server)
+        with warmed(model, flags + extra, f"{log}-{i}.log") as server:
             rows.append({"server": name, **measure(server)})
-        finally:
-            server.stop()
-    stock, plugin = rows[0], rows[1]
-    rows.append({"server": "plugin / stock", **{
-        k: round(plugin[k] / stock[k], 2) if stock[k] else None for k in ratio_keys}})
+    first, second = rows[0], rows[1]
+    rows.append({"server": ratio_label, **{
+        k: round(second[k] / first[k], 2) if first[k] else None for k in ratio_keys}})
     return rows
 
 
@@ -80,7 +88,8 @@ def conversation(server, png: bytes, turns: int, max_tokens: int) -> list[dict]:
     return outs
 
 
-def workload(model: Path, servers: dict[str, list[str]], log_dir: Path, *, images: int = 24,
+def workload(model: Path, servers: dict[str, list[str]], log_dir: Path, *,
+             ratio_label: str = "plugin / stock", images: int = 24,
              conversations: int = 48, turns: int = 3, concurrency: int = 8, zipf: float = 1.1,
              pool: int = 6 * (IMAGE_TOKENS + 64), max_tokens: int = 16, seed: int = 0
              ) -> list[dict]:
@@ -114,7 +123,7 @@ def workload(model: Path, servers: dict[str, list[str]], log_dir: Path, *, image
 
     return on_each(model, servers, ["--max-total-tokens", str(pool)], log_dir / "workload",
                    measure, ["hit_rate", "ttft_p50_ms", "ttft_p99_ms", "output_tok_s",
-                             "requests_s"])
+                             "requests_s"], ratio_label)
 
 
 def multi_image_bodies(batch: int, images: int, image_px: int, max_tokens: int) -> list[dict]:
@@ -215,10 +224,7 @@ def streaming(model: Path, servers: dict[str, list[str]], log_dir: Path, *, batc
     extra = ["--max-total-tokens", str(pool), "--max-running-requests", str(batch)]
     rows = []
     for i, (name, flags) in enumerate(servers.items()):
-        server = start_server(model, flags + extra, log_dir / f"streaming-{i}.log")
-        try:
-            chat(server, image_chat(picture(65_000), "what colour is it?", max_tokens=2))
-            flush_cache(server)
+        with warmed(model, flags + extra, log_dir / f"streaming-{i}.log") as server:
             before = internal_state(server).get("unicache", {})
             sampler = scheduler_phases.record(server, log_dir / f"streaming-{i}.pyspy")
             try:
@@ -227,8 +233,6 @@ def streaming(model: Path, servers: dict[str, list[str]], log_dir: Path, *, batc
             finally:
                 scheduler_phases.stop(sampler)
             after = internal_state(server).get("unicache", {})
-        finally:
-            server.stop()
         tpot = [(o["times"][-1] - o["times"][0]) / (len(o["times"]) - 1) for o in outs]
         gaps = [b - a for o in outs for a, b in zip(o["times"], o["times"][1:], strict=False)]
         row = {"server": name, "tpot_ms": round(1000 * sum(tpot) / len(tpot), 1),
