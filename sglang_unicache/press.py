@@ -145,15 +145,11 @@ class _Press:
         plan = self.method.plan(inputs)
         self.record.plans.append(plan)
         image = plan.image_plans()
-        self.record.image_tokens += sum(p.span.length for p in image)
-        if plan.fallback:
-            self.record.kept_entries += sum(p.span.length for p in image) * len(layers)
-            return
-        done = [(p, self.method.execute(p, keys, values)) for p in image if not p.skipped]
-        for li, layer in enumerate(layers):
+        done = [] if plan.fallback else [
+            (p.span, self.method.execute(p, keys, values)) for p in image if not p.skipped]
+        for li, layer in enumerate(layers if done else []):  # a fallback keeps the cache
             k_parts, v_parts, pos = [], [], 0
-            for span_plan, kv in done:
-                span = span_plan.span
+            for span, kv in done:
                 k_parts += [keys[li][pos:span.start], kv.keys[li]]
                 v_parts += [values[li][pos:span.start], kv.values[li]]
                 pos = span.end
@@ -161,10 +157,11 @@ class _Press:
             v_parts.append(values[li][pos:])
             layer.keys = torch.cat(k_parts).transpose(0, 1).unsqueeze(0).contiguous()
             layer.values = torch.cat(v_parts).transpose(0, 1).unsqueeze(0).contiguous()
-        held = sum(kv.keys[li].shape[0] for _, kv in done for li in range(len(layers)))
-        skipped = sum(p.span.length for p in image if p.skipped) * len(layers)
-        self.record.kept_entries += held + skipped
-
+        image_tokens = sum(p.span.length for p in image)
+        self.record.image_tokens += image_tokens
+        # Whatever a layer holds beyond the prompt's other tokens is what it kept of the images.
+        self.record.kept_entries += sum(layer.keys.shape[2] - (t - image_tokens)
+                                        for layer in layers)
 
 @contextmanager
 def compress(
