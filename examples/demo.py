@@ -73,7 +73,7 @@ def run(url: str, chats: list[list], label: str) -> list[dict]:
                          "cached": (usage.get("prompt_tokens_details") or {})
                          .get("cached_tokens", 0)})
         step(f"{label}: image {i + 1} of {len(chats)} done "
-             f"({sum(r['correct'] for r in rows if r['image'] == i)}/{len(chat)} right)")
+             f"({sum(r['correct'] for r in rows if r['image'] == i + 1)}/{len(chat)} right)")
     return rows
 
 
