@@ -34,3 +34,9 @@ def test_demo_reports_savings_and_reuse(tmp_path):
     correct = re.search(r"answers correct: (\d+)/(\d+) with --unicache .* vs (\d+)/(\d+) without",
                         out)
     assert correct and int(correct.group(2)) == 4, out[-2000:]  # 2 images x 2 turns, both runs
+    # the per-image progress lines add up to the totals (they once counted the previous image)
+    for label, total in (("with --unicache", correct.group(1)),
+                         ("without compression", correct.group(3))):
+        progress = re.findall(rf"{re.escape(label)}: image \d+ of \d+ done \((\d+)/\d+ right\)",
+                              out)
+        assert len(progress) == 2 and sum(map(int, progress)) == int(total), out[-2000:]
