@@ -265,6 +265,24 @@ def around_dp_routing(original: Any, dp_controller: Any, req: Any) -> Any:
     return original(dp_controller, req)
 
 
+@hook("sglang.srt.managers.data_parallel_controller.DataParallelController.event_loop", "AROUND")
+def around_dp_event_loop(original: Any, dp_controller: Any) -> Any:
+    """With ``--sleep-on-idle`` (the CPU platform's default): the data-parallel controller blocks
+    on its socket, as SGLang's detokenizer does, instead of polling it without a pause (an idle
+    ``--dp-size 2`` server took a whole core of a 2-core host)."""
+    from sglang.srt.managers.io_struct import sock_recv
+    from sglang.srt.runtime_context import get_device
+
+    if not get_device().sleep_on_idle:  # the scheduler reads it there too
+        return original(dp_controller)
+
+    while True:
+        with dp_controller.soft_watchdog.disable():
+            req = sock_recv(dp_controller.recv_from_tokenizer)
+        dp_controller._request_dispatcher(req)
+        dp_controller.soft_watchdog.feed()
+
+
 @hook("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", "AFTER")
 def after_forward_batch_init(result: Any, *args: Any, **kwargs: Any) -> Any:
     """``ForwardBatch.init_new``: 1-D RoPE models get each request's position offset."""

@@ -15,9 +15,12 @@ Activation (``activate`` is the ``sglang.srt.platforms`` entry point):
 On a CPU the default KV pool would take most of the RAM, so the platform caps
 ``max_total_tokens`` (``SGLANG_UNICACHE_CPU_MAX_TOTAL_TOKENS``, default 32768) unless the user
 passes ``--max-total-tokens``, and turns on ``sleep_on_idle`` (an idle scheduler would otherwise
-spin a core at 100%). With more ranks (``dp x tp x pp``) than NUMA nodes and no
-``SGLANG_CPU_OMP_THREADS_BIND``, SGLang refuses to start; the platform then sets that variable,
-splitting this process's CPUs evenly between the ranks (``threads_bind``).
+spin a core at 100%; so would the data-parallel controller, which the plugin's
+``around_dp_event_loop`` makes block on its socket when that flag is on).
+
+With more ranks (``dp x tp x pp``) than NUMA nodes and no ``SGLANG_CPU_OMP_THREADS_BIND``,
+SGLang refuses to start; the platform then sets that variable, splitting this process's CPUs
+evenly between the ranks (``threads_bind``).
 """
 
 from __future__ import annotations

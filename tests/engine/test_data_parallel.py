@@ -66,3 +66,25 @@ def test_dp_routing_false_gives_sglang_its_routing_back(server_factory, tmp_path
     after = replicas(server)
     assert sum(s["images_compressed"] for s in after) - before == 2 * len(COLOURS)
     assert all(state["integrity"] == [] for state in after)
+
+
+def test_an_idle_dp_controller_sleeps(server_factory, nocheck_config) -> None:
+    """SGLang's data-parallel controller polls its socket without blocking; on a 2-core host an
+    idle ``--dp-size 2`` server took a whole core (and a test run with two of them alive timed
+    out starting the next server). With ``sleep_on_idle`` (the CPU platform's default) it
+    blocks until a request comes."""
+    import time
+
+    import psutil
+
+    server = server_factory("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio",
+                            "0.25", "--unicache-config", nocheck_config, "--dp-size", "2",
+                            "--enable-metrics", "--enable-cache-report")
+    chat(server, image_chat(solid_png(COLOURS[0]), "what colour is it?", max_tokens=2))
+    controllers = [p for p in psutil.Process(server.process.pid).children(recursive=True)
+                   if "data_parallel_controller" in " ".join(p.cmdline())]
+    assert len(controllers) == 1
+    before = sum(controllers[0].cpu_times()[:2])
+    time.sleep(5)
+    busy = sum(controllers[0].cpu_times()[:2]) - before
+    assert busy < 1.0, f"the idle controller used {busy:.1f} s of CPU in 5 s"
