@@ -52,6 +52,7 @@ from .plans import (
 from .policies.alignment import alignment_scores, protected_count
 from .policies.base import Scorer
 from .quantize import bits_of, quantized_nbytes
+from .ranks import ONE_RANK, HeadShards
 from .reducers.base import Reducer
 from .signals import masked_minmax
 
@@ -119,10 +120,12 @@ class Method:
         return from_config(DynamicRate, self.config) if self.config.dynamic_rate else None
 
     # -- the template ---------------------------------------------------------------------------
-    def plan(self, inputs: ScoreInputs) -> RequestPlan:
-        """Plan the compression of every span of one request (inputs are not modified)."""
+    def plan(self, inputs: ScoreInputs, shards: HeadShards = ONE_RANK) -> RequestPlan:
+        """Plan the compression of every span of one request (inputs are not modified). Under
+        tensor parallelism ``inputs`` hold this rank's heads and ``shards`` joins the ranks: every
+        rank then gets the same keep ratio, K per span and layer, and self-check verdict."""
         cfg = self.config
-        ctx = from_config(PlanContext, cfg, inputs=inputs)
+        ctx = from_config(PlanContext, cfg, inputs=inputs, shards=shards)
         if self.needs_queries:
             ctx.require_queries(f"method {self.name!r}")
         identity = self.budget.keeps_everything

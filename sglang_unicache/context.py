@@ -20,6 +20,7 @@ from .heads import apply_head_merge, plan_head_merge
 from .inputs import ImageSpan, ScoreInputs
 from .kernels import window_colsum, window_lse
 from .kernels.reference import causal_logits, colsum_from_logits, lse_from_logits
+from .ranks import ONE_RANK, HeadShards
 
 Tensor = torch.Tensor
 
@@ -31,7 +32,9 @@ class PlanContext:
     stats_chunk: key columns per chunk of the window statistics (above it no full logits are
         kept). redundancy_window: neighbours each side of the redundancy signal (seed §4.2).
     head_merge, head_merge_threshold: merge KV heads whose cosine reaches the threshold before any
-        signal is computed (seed §3). compress_text: text runs get a plan too.
+        signal is computed (seed §3). compress_text: text runs get a plan too. shards: how the
+        KV heads are split over tensor-parallel ranks (``ranks.py``); every head average that
+        decides a plan's shape goes through it.
 
     segments: the spans that get a plan (image spans, plus text runs when ``compress_text``).
     is_visual: ``[T]`` bool, token in any image span. run_id: ``[T]`` int, id of the maximal
@@ -44,6 +47,7 @@ class PlanContext:
     head_merge: bool = False
     head_merge_threshold: float = 0.88
     compress_text: bool = False
+    shards: HeadShards = ONE_RANK
     _cache: dict[tuple[str, int], Any] = field(default_factory=dict, init=False, repr=False)
     _logits: dict[int, Tensor] = field(default_factory=dict, init=False, repr=False)
 

@@ -58,6 +58,7 @@ class AirCacheBudget(LayerBudget):
         if int(vis.sum()) < 3:
             return torch.ones(ctx.num_layers)
         iv = torch.stack(
-            [elite_importance(ctx, li, self.alpha).mean(0)[vis] for li in range(ctx.num_layers)]
+            [ctx.shards.mean(elite_importance(ctx, li, self.alpha))[vis]
+             for li in range(ctx.num_layers)]
         )
         return aircache_factors(iv.sum(dim=1).double().cpu(), sample_skewness(iv).cpu(), self.floor)

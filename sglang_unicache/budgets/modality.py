@@ -19,14 +19,14 @@ import torch
 import torch.nn.functional as F
 
 
-def mean_pairwise_cosine(x: torch.Tensor) -> float:
-    """x ``[n, H, D]`` -> mean over heads of the mean pairwise cosine of the n tokens."""
-    n = x.shape[0]
+def pairwise_cosine(x: torch.Tensor) -> torch.Tensor:
+    """x ``[n, H, D]`` -> ``[H]`` mean pairwise cosine of the n tokens, per head."""
+    n, h = x.shape[0], x.shape[1]
     if n < 2:
-        return 0.0
+        return torch.zeros(h)
     u = F.normalize(x.float(), dim=-1)
     s = u.sum(dim=0)  # [H, D]
-    return float(((s * s).sum(-1) - n).mean() / (n * (n - 1)))
+    return ((s * s).sum(-1) - n) / (n * (n - 1))
 
 
 def density_rates(
@@ -77,8 +77,8 @@ class ModalityBudget:
             sims_v, sims_t = [], []
             for li in range(ctx.num_layers):
                 kv = torch.cat([ctx.keys(li), ctx.values(li)], dim=-1)
-                sims_v.append(mean_pairwise_cosine(kv[vis]))
-                sims_t.append(mean_pairwise_cosine(kv[~vis]))
+                sims_v.append(float(ctx.shards.mean(pairwise_cosine(kv[vis]))))
+                sims_t.append(float(ctx.shards.mean(pairwise_cosine(kv[~vis]))))
             rho_v = max(1e-6, 1 - sum(sims_v) / len(sims_v))
             rho_t = max(1e-6, 1 - sum(sims_t) / len(sims_t))
             r_v, r_t = density_rates(1 - keep_ratio, rho_v, rho_t, n_v, n_t)

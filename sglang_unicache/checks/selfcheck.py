@@ -20,6 +20,9 @@ tokens as they are, each span replaced by its compressed entries), reduced to on
 - ``key_coverage``: question-independent: ``1 - max cos(k, kept k)`` averaged over the span's
   tokens and heads: how far the kept keys are from the keys they replace, whatever the question.
 
+Means are taken per KV head first, then over the heads of every tensor-parallel rank
+(``ranks.py``), so every rank reaches the same verdict.
+
 Which statistic decides, and its threshold, are ``selfcheck_statistic`` / ``selfcheck_threshold``
 (defaults from the measurement in docs/selfcheck.md: which statistic predicts that a compressed,
 reused image answers later questions differently). The seed's KL predicted best (ROC AUC 0.885)
@@ -101,7 +104,7 @@ def layer_stats(ctx, layer: int, plans: list[CompressionPlan]) -> Tensor | None:
         l_comp = _logits(q, k_c, inp.scale).masked_fill(~sees, float("-inf"))
         parts.append((lp, l_orig, l_comp, v_c))
         kept = torch.gather(unit, 1, lp.kept.long().unsqueeze(-1).expand(-1, -1, unit.shape[-1]))
-        coverage.append(1.0 - torch.bmm(unit, kept.transpose(1, 2)).amax(-1).mean())
+        coverage.append(1.0 - torch.bmm(unit, kept.transpose(1, 2)).amax(-1).mean(-1))  # [H]
     lse_q = lse_rest
     for _, _, l_comp, _ in parts:
         lse_q = torch.logaddexp(lse_q, torch.logsumexp(l_comp, dim=-1))
@@ -130,13 +133,12 @@ def layer_stats(ctx, layer: int, plans: list[CompressionPlan]) -> Tensor | None:
     out_p = ref["out_p"]
     error = (out_q - out_p).norm(dim=-1) / out_p.norm(dim=-1).clamp_min(1e-12)
     lost = torch.where(image_p > 0, 1.0 - image_kept / image_p.clamp_min(1e-30), 0.0)
-    return torch.stack([
-        kl.mean(),
-        kl.mean(dim=(1, 2)).max(),
-        lost.mean(),
-        error.mean(),
-        torch.stack(coverage).max(),
-    ])
+    # Per KV head, then over every rank's heads (``ranks.py``): the verdict is the same on each.
+    per_head = torch.stack([kl.mean(dim=(1, 2)), lost.mean(dim=(1, 2)), error.mean(dim=(1, 2)),
+                            *coverage], dim=1)  # [H, 3 + spans]
+    means = ctx.shards.mean(per_head)
+    kl_head = ctx.shards.max(per_head[:, 0].max())
+    return torch.stack([means[0], kl_head, means[1], means[2], means[3:].max()])
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,12 @@ def alignment_scores(ctx) -> Tensor:
     out = torch.zeros(t, device=ctx.inputs.device)
     if not ctx.has_queries:
         return out
-    recv = torch.stack([ctx.received_from_text(li).mean(0) for li in range(ctx.num_layers)]).mean(0)
+    mean = ctx.shards.mean  # over every rank's heads
+    recv = torch.stack([mean(ctx.received_from_text(li)) for li in range(ctx.num_layers)]).mean(0)
     for s in ctx.inputs.spans:  # loop over images, not tokens
         seg = recv[s.start : s.end]
         out[s.start : s.end] = seg / seg.max().clamp_min(1e-12)
-    share = torch.stack([ctx.visual_share(li).mean(0) for li in range(ctx.num_layers)]).mean(0)
+    share = torch.stack([mean(ctx.visual_share(li)) for li in range(ctx.num_layers)]).mean(0)
     text_q = ctx.query_is_text
     out[ctx.obs_positions[text_q]] = share[text_q]
     return out

@@ -18,7 +18,8 @@ class RandomScorer:
     def score(self, ctx, layer):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + layer)
         h, t = ctx.inputs.num_kv_heads, ctx.inputs.num_tokens
-        return torch.rand(h, t, generator=g).to(ctx.inputs.device)
+        total, first = ctx.shards.heads(h)  # a tensor-parallel rank draws its heads' rows
+        return torch.rand(total, t, generator=g)[first : first + h].to(ctx.inputs.device)
 
 
 method("random", scorer="random", budget="uniform", reducer="evict",

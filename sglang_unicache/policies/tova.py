@@ -23,7 +23,7 @@ class TOVAScorer:
         ctx.require_queries(self.name)
         last = slice(-1, None)  # the last observation query: the last prompt position
         received = ctx.window_colsum(layer, ctx.window_lse(layer, rows=last), rows=last)  # [H, T]
-        return received.mean(0, keepdim=True).expand_as(received)
+        return ctx.shards.mean(received).unsqueeze(0).expand_as(received)
 
 
 method("tova", scorer="tova", budget="uniform", reducer="evict",

@@ -9,7 +9,7 @@ import torch
 
 from sglang_unicache.budgets.aircache import aircache_factors, sample_skewness
 from sglang_unicache.budgets.base import apportion
-from sglang_unicache.budgets.modality import cap_with_overflow, density_rates, mean_pairwise_cosine
+from sglang_unicache.budgets.modality import cap_with_overflow, density_rates, pairwise_cosine
 from sglang_unicache.budgets.pyramid import pyramid_factors
 from sglang_unicache.budgets.unicache import cosine_rates
 from sglang_unicache.checks.dynamic_rate import complexity, rate_from_complexity
@@ -79,11 +79,11 @@ def test_density_rates_and_caps_with_overflow() -> None:
     assert cap_with_overflow(0.95, 0.5, 100, 100, 0.8, 0.4) == pytest.approx((0.8, 0.4))
 
 
-def test_mean_pairwise_cosine() -> None:
+def test_pairwise_cosine() -> None:
     same = torch.ones(5, 1, 4)
-    assert mean_pairwise_cosine(same) == pytest.approx(1.0)
+    assert pairwise_cosine(same).tolist() == pytest.approx([1.0])
     ortho = torch.eye(4).reshape(4, 1, 4)
-    assert mean_pairwise_cosine(ortho) == pytest.approx(0.0, abs=1e-6)
+    assert pairwise_cosine(ortho).tolist() == pytest.approx([0.0], abs=1e-6)
 
 
 def test_complexity_mapping() -> None:
