@@ -50,6 +50,7 @@ from sglang_unicache.integration.rewrite import (
     shorten,
 )
 from sglang_unicache.integration.spans import SpanIndex, SpanMeta, SpanNaming
+from sglang_unicache.integration.tensor_parallel import TensorParallel
 from sglang_unicache.registry import build_method
 
 logger = logging.getLogger("sglang_unicache")
@@ -95,6 +96,8 @@ def namespace(req) -> tuple[object, object]:
 FALLBACK_WINDOW = 32
 FALLBACK_WARN_SHARE = 0.5
 RECENT_CHECKS = 64  # self-check outcomes kept for /server_info
+# What a compression attempt did (the first number of the ranks' fingerprint).
+COMPRESSED, FALLBACK, UNCHANGED, ERROR = 0.0, 1.0, 2.0, 3.0
 
 
 _NO_SPANS = SpanIndex()  # without a radix cache nothing is reused
@@ -108,6 +111,7 @@ class Stats:
     fallbacks: int = 0  # requests whose self-check failed even at escalate_max_keep: full KV kept
     escalations: int = 0  # budget doublings after a failed self-check
     errors: int = 0  # compressions that raised: full KV kept
+    rank_disagreements: int = 0  # --tp-size: compressions the ranks did not do alike
     retracted: int = 0  # requests retracted by the scheduler (restored to their own ids)
     skipped_cached: int = 0
     spans_reused: int = 0
@@ -141,6 +145,7 @@ class Controller:
     tree: object | None = None
     mrope: bool = True  # positions through M-RoPE data (Qwen2-VL); else a 1-D offset per request
     dp_rank: int = 0  # which data-parallel replica this scheduler is (/server_info shows it)
+    tp: TensorParallel = field(default_factory=TensorParallel)  # --tp-size: the ranks agree
     # Per request state lives on the request itself, so it dies with it (an aborted request
     # leaves nothing behind): ``req.unicache_rewrites``, every rewrite of its ids (the reuse
     # rewrite at match time, then the compression of its own images), oldest first;
@@ -169,6 +174,11 @@ class Controller:
     @property
     def spans(self) -> SpanIndex:
         return self.tree.spans if self.tree is not None else _NO_SPANS
+
+    def rank_errors(self) -> list[str]:
+        """The tensor-parallel agreement check's findings, as ``check_integrity`` lines."""
+        n = self.stats.rank_disagreements
+        return [f"{n} compression(s) differed between tensor-parallel ranks"] if n else []
 
     # -- 1. choose targets ----------------------------------------------------------------------
     def image_spans(self, req) -> list[tuple[int, int, int]]:
@@ -254,16 +264,24 @@ class Controller:
         if pending is None or self.capture is None:
             return
         start = time.perf_counter()
+        outcome = [ERROR, 0.0, 0.0]
         try:
-            self._compress(req, pending, self.capture.queries_of(pending.target))
+            outcome = self._compress(req, pending, self.capture.queries_of(pending.target))
         except Exception:
             self.stats.errors += 1
             self._record_outcome(True)
             logger.exception("sglang-unicache: compression failed for %s; keeping full KV",
                              req.rid)
+        # Every tensor-parallel rank reaches this line for the same request, whatever happened.
+        if not self.tp.agree([*outcome, float(self.allocator.available_size())]):
+            self.stats.rank_disagreements += 1
+            logger.error("sglang-unicache: tensor-parallel ranks compressed %s differently "
+                         "(rank %d: %s)", req.rid, self.tp.rank, outcome)
         self.stats.compress_seconds += time.perf_counter() - start
 
-    def _compress(self, req, pending: Pending, queries: list[torch.Tensor]) -> None:
+    def _compress(self, req, pending: Pending, queries: list[torch.Tensor]) -> list[float]:
+        """Compress the request's own image spans; returns (outcome, keep ratio, slots the
+        spans kept), the fingerprint the tensor-parallel ranks compare."""
         length = req.extend_end
         row_index = req.kv.req_pool_idx
         row = self.req_to_token[row_index, :length].clone()
@@ -272,14 +290,15 @@ class Controller:
         spans = [ImageSpan(start, end) for start, end, _ in pending.spans]
         positions = torch.tensor(list(pending.target.positions), dtype=torch.int64)
         plan = self.method.plan(ScoreInputs(keys, values, spans, obs_queries=queries,
-                                            obs_positions=positions))
+                                            obs_positions=positions),
+                                self.tp.shards(keys[0].shape[1]))
         self._record_check(req.rid, plan)
         if plan.fallback:
             self.stats.fallbacks += 1
             logger.info("sglang-unicache: self-check failed for %s (%s %.3f > %.3f at keep %.3g);"
                         " full KV kept", req.rid, plan.selfcheck.statistic, plan.selfcheck.value,
                         plan.selfcheck.threshold, plan.keep_ratio)
-            return
+            return [FALLBACK, plan.keep_ratio, 0.0]
         results, plans = [], []
         for span_plan, (start, end, _) in zip(plan.image_plans(), pending.spans, strict=True):
             if span_plan.skipped:
@@ -288,7 +307,7 @@ class Controller:
             results.append(SpanResult(start, end, compressed.keys, compressed.values))
             plans.append(span_plan)
         if not results:
-            return
+            return [UNCHANGED, plan.keep_ratio, 0.0]
         # All or nothing: everything above only read. The ids are rewritten first (atomic, and
         # undone below on failure); then the pool, the row and the lengths change, rolled back
         # from the copies taken first if anything raises; the slots are freed last.
@@ -313,6 +332,7 @@ class Controller:
         self.stats.slots_freed += removed
         logger.debug("sglang-unicache: %s compressed %d image(s), %d -> %d slots", req.rid,
                      len(results), length, length - removed)
+        return [COMPRESSED, plan.keep_ratio, float(sum(p.physical_slots for p in plans))]
 
     def _record_check(self, rid: str, plan) -> None:
         self.stats.escalations += plan.escalations

@@ -21,6 +21,7 @@ from sglang_unicache.integration.controller import Controller
 from sglang_unicache.integration.integrity import check_integrity
 from sglang_unicache.integration.metrics import Metrics
 from sglang_unicache.integration.support import local_hf_config, unsupported_setup
+from sglang_unicache.integration.tensor_parallel import TensorParallel
 
 logger = logging.getLogger("sglang_unicache")
 
@@ -140,7 +141,7 @@ def after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any)
         metrics=Metrics() if exports else None,
         tree=tree if isinstance(tree, radix_cache.CompressedRadixCache) else None,
         mrope=bool(scheduler.model_config.model_is_mrope),
-        dp_rank=parallel.dp_rank or 0)
+        dp_rank=parallel.dp_rank or 0, tp=TensorParallel.of(scheduler))
     STATE.controller, STATE.scheduler = controller, scheduler
     logger.info("sglang-unicache: scheduler received config method=%s keep_ratio=%s "
                 "min_image_tokens=%s", config.method, config.keep_ratio, config.min_image_tokens)
@@ -243,7 +244,8 @@ def after_get_internal_state(result: Any, state_controller: Any, *args: Any, **k
     if STATE.controller is not None:
         result.internal_state["unicache"] = {
             **STATE.controller.snapshot(),
-            "integrity": check_integrity(state_controller.scheduler)}
+            "integrity": check_integrity(state_controller.scheduler)
+            + STATE.controller.rank_errors()}
     return result
 
 

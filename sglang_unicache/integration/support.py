@@ -32,14 +32,15 @@ def unsupported_server_args(args: Any) -> str | None:
     if algorithm:
         return f"--speculative-algorithm {algorithm}: speculative decoding is not supported " \
                "with --unicache"
-    for flag, name in (("tp_size", "--tp-size"), ("pp_size", "--pp-size")):
-        size = getattr(args, flag, 1) or 1
-        if size > 1:
-            # Every rank would plan its own compaction from its own KV heads: the ranks' trees,
-            # rows and allocators would diverge while the server keeps answering. (DP attention
-            # needs --tp-size >= --dp-size >= 2, so this refuses it too.)
-            return f"{name} {size}: tensor/pipeline parallel ranks do not yet agree on one " \
-                   "compression plan; --unicache needs one rank per model (use --dp-size)"
+    pp = getattr(args, "pp_size", 1) or 1
+    if pp > 1:
+        # A stage holds some layers: a plan needs every layer's statistics (self-check on the
+        # last layers, layer budgets over all of them), which no stage has.
+        return f"--pp-size {pp}: pipeline parallel stages cannot agree on one compression " \
+               "plan; --unicache supports --tp-size and --dp-size"
+    if getattr(args, "enable_dp_attention", False):
+        return "--enable-dp-attention: data-parallel attention is not supported with " \
+               "--unicache (use --dp-size without it)"
     if getattr(args, "enable_mixed_chunk", False):
         return "--enable-mixed-chunk: mixed prefill/decode batches are not supported with " \
                "--unicache (images in them would never be compressed)"
@@ -83,7 +84,20 @@ def local_hf_config(model_path: str | None) -> dict[str, Any] | None:
     return json.loads(path.read_text())
 
 
+def unsupported_sharding(args: Any, hf_config: dict[str, Any]) -> str | None:
+    """Tensor parallel with fewer KV heads than ranks replicates heads across ranks; their query
+    groups then differ by rank, and so would the heads' selections."""
+    tp = getattr(args, "tp_size", 1) or 1
+    merged = {**(hf_config.get("text_config") or {}), **hf_config}
+    kv_heads = merged.get("num_key_value_heads") or merged.get("num_attention_heads")
+    if tp > 1 and kv_heads and kv_heads % tp:
+        return f"--tp-size {tp} does not divide the model's {kv_heads} KV heads: replicated " \
+               "KV heads are not supported with --unicache"
+    return None
+
+
 def unsupported_setup(args: Any, hf_config: dict[str, Any] | None) -> str | None:
     return unsupported_server_args(args) or (
-        unsupported_model(hf_config) if hf_config is not None else None
+        unsupported_model(hf_config) or unsupported_sharding(args, hf_config)
+        if hf_config is not None else None
     )

@@ -48,9 +48,11 @@ def error_of(prepare, *argv, model=None) -> str:
     (["--enable-hierarchical-cache"], "HiCache is not supported"),
     (["--disaggregation-mode", "prefill"], "PD disaggregation is not supported"),
     (["--kv-cache-dtype", "nvfp4"], "separate scale buffers"),
-    (["--tp-size", "2"], "--tp-size 2: tensor/pipeline parallel ranks do not yet agree"),
-    (["--pp-size", "2"], "--pp-size 2: tensor/pipeline parallel ranks do not yet agree"),
-    (["--enable-dp-attention", "--dp-size", "2", "--tp-size", "2"], "--tp-size 2"),
+    (["--pp-size", "2"], "--pp-size 2: pipeline parallel stages cannot agree on one"),
+    (["--enable-dp-attention", "--dp-size", "2", "--tp-size", "2"],
+     "--enable-dp-attention: data-parallel attention is not supported"),
+    # the tiny model has 2 KV heads: 4 ranks would replicate them
+    (["--tp-size", "4"], "--tp-size 4 does not divide the model's 2 KV heads"),
     (["--enable-mixed-chunk"], "--enable-mixed-chunk: mixed prefill/decode batches are not"),
 ])
 def test_bad_flag_fails_with_one_line(prepare, argv, expected):

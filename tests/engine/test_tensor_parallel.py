@@ -1,0 +1,56 @@
+"""``--unicache --tp-size 2`` on CPU (issue 15): the two ranks hold one KV head each and agree on
+every plan, so the server answers what ``--tp-size 1`` answers, compresses the same images to the
+same sizes, and its ranks never differ (the agreement check, reported by ``check_integrity``).
+
+Runs the bundled trained checkpoint on the demo's multi-turn chats: the shipped defaults, and
+AirCache (head-averaged layer budgets) with a self-check threshold that some images fail, so
+escalations and fallbacks are agreed too. Every method is covered at the policy level
+(``tests/policy/test_tensor_parallel.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from examples.demo import BUNDLED, conversations, run
+from tests.support.client import flush_cache, internal_state
+from tests.support.server import start_server
+
+CASES = {
+    "shipped defaults": [],
+    "aircache, a self-check that trips": ["--unicache-method", "aircache",
+                                          "--unicache-keep-ratio", "0.05"],
+}
+TRIPPING = "selfcheck_threshold: {threshold}\nescalate_max_keep: 0.2\n"
+THRESHOLD = 0.6  # between the bundled images' KL values at keep 0.05 (some pass, some fail)
+GRID = 8
+
+
+def serve_chats(flags: list[str], log, chats) -> tuple[list[str], dict]:
+    server = start_server(BUNDLED, ["--unicache", *flags, "--enable-cache-report"], log)
+    try:
+        flush_cache(server)
+        rows = run(server.url, chats, "tp")
+        return [r["answer"] for r in rows], internal_state(server)["unicache"]
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_ranks_answer_and_compress_as_one(case: str, tmp_path) -> None:
+    chats = conversations(4, 2, GRID)
+    flags = list(CASES[case])
+    if "trips" in case:
+        config = tmp_path / "tripping.yaml"
+        config.write_text(TRIPPING.format(threshold=THRESHOLD))
+        flags += ["--unicache-config", str(config)]
+    one, stats1 = serve_chats(flags, tmp_path / "tp1.log", chats)
+    two, stats2 = serve_chats([*flags, "--tp-size", "2"], tmp_path / "tp2.log", chats)
+    assert two == one
+    for key in ("images_compressed", "escalations", "fallbacks", "compressed_slots_held",
+                "spans_reused"):
+        assert stats2[key] == stats1[key], key
+    assert stats1["images_compressed"] > 0
+    assert stats2["rank_disagreements"] == 0
+    assert stats2["integrity"] == []
+    if "trips" in case:
+        assert stats1["escalations"] > 0, "the threshold must make some image escalate"
