@@ -10,7 +10,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[test]'
+	$(VENV)/bin/pip install -q -e '.[test,scale]'
 	# kvpress, for the peer tests only (tests/policy/test_kvpress_peer.py): its metadata asks
 	# for transformers < 5.3, SGLang 0.5.23 for 5.x, so it goes in without its dependencies.
 	$(VENV)/bin/pip install -q --no-deps kvpress==0.5.5 'cachetools>=5.5.2,<6' 'fire>=0.6,<0.7' \
