@@ -214,7 +214,8 @@ def main() -> None:
             work / "tiny-qwen2-vl-decode", **DECODE_MODEL)
         results["decode"] = decode(decode_model, servers, log_dir, batch=args.decode_batch)
     if "dp" in parts:
-        # --dp-size 2 (issue 15): the workload with SGLang's round robin, then with image routing.
+        # --dp-size 2 (issue 15): the workload with SGLang's round robin, then with image routing
+        # (the ratio row), then stock SGLang and the shipped defaults at dp 2.
         round_robin = work / "round-robin.json"
         round_robin.write_text(json.dumps({"selfcheck": False, "dp_routing": False}))
         dp = ["--dp-size", "2"]
@@ -222,7 +223,10 @@ def main() -> None:
             f"unicache {args.method} keep 0.1, dp 2, round robin (dp_routing false)":
                 flags_for(args.method, 0.1, round_robin) + dp,
             f"unicache {args.method} keep 0.1, dp 2, image routing (default)":
-                flags_for(args.method, 0.1, config) + dp},
+                flags_for(args.method, 0.1, config) + dp,
+            "stock, dp 2": flags_for(None, 0.1, config) + dp,
+            "--unicache --unicache-keep-ratio 0.1 (defaults as shipped), dp 2":
+                [*SHIPPED, "--unicache-keep-ratio", "0.1", *dp]},
             log_dir, ratio_label="image routing / round robin", images=args.images,
             conversations=args.conversations, turns=args.turns, concurrency=args.clients)
     if "streaming" in parts:

@@ -69,6 +69,9 @@ class UniCacheStartupError(SystemExit):
         super().__init__(f"error: {message}")
 
 
+MM_PREPROCESS_CACHE_MB = 256  # --unicache's default for SGLang's image preprocessing cache
+
+
 def _prepare_config(server_args: Any, config: Any) -> Any:
     if config is not None:
         reason = unsupported_setup(server_args, local_hf_config(server_args.model_path))
@@ -84,6 +87,10 @@ def _prepare_config(server_args: Any, config: Any) -> Any:
             # the overlap scheduler would already have launched that decode.
             server_args.disable_overlap_schedule = True
             logger.info("sglang-unicache: --unicache runs with the overlap scheduler disabled")
+        if server_args.mm_preprocess_cache_size_mb is None:
+            # A reused image skips the encoder and its prefill; with SGLang's preprocessing cache
+            # it skips the image processor too (--mm-preprocess-cache-size-mb 0 turns it off).
+            server_args.mm_preprocess_cache_size_mb = MM_PREPROCESS_CACHE_MB
     return config
 
 
@@ -247,6 +254,21 @@ def after_get_internal_state(result: Any, state_controller: Any, *args: Any, **k
             "integrity": check_integrity(state_controller.scheduler)
             + STATE.controller.rank_errors()}
     return result
+
+
+@hook("sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.get_internal_state",
+      "AROUND")
+async def around_tokenizer_internal_state(original: Any, manager: Any) -> Any:
+    """``/server_info``: each entry also shows SGLang's image preprocessing cache (it lives in
+    the tokenizer manager): whether it is on, its hits and misses."""
+    states = await original(manager)
+    cache = getattr(getattr(manager, "mm_processor", None), "mm_preprocess_cache", None)
+    if cache is not None:
+        info = {"enabled": cache.enabled, "hits": cache.hits, "misses": cache.misses,
+                "entries": len(cache)}
+        for state in states:
+            state["mm_preprocess_cache"] = info
+    return states
 
 
 @hook("sglang.srt.managers.data_parallel_controller.DataParallelController."

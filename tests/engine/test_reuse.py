@@ -113,3 +113,17 @@ def test_metrics_endpoint_counts_compression_and_reuse(server_factory, nocheck_c
     assert value("slots_freed") >= IMAGE_TOKENS - KEPT
     assert value("spans_reused") >= 1
     assert value("fallbacks") == 0
+
+
+def test_a_reused_image_skips_the_image_processor_too(compressing, stock):
+    """``--unicache`` turns on SGLang's image preprocessing cache (256 MiB unless the user sets
+    ``--mm-preprocess-cache-size-mb``): the second question about an image is served without
+    running the image processor, besides skipping the encoder and the image's prefill."""
+    png = solid_png((90, 200, 30))
+    chat(compressing, image_chat(png, "what colour is it?"))
+    before = internal_state(compressing)["mm_preprocess_cache"]
+    chat(compressing, image_chat(png, "where is the square?"))
+    after = internal_state(compressing)["mm_preprocess_cache"]
+    assert after["enabled"]
+    assert after["hits"] > before["hits"] and after["misses"] == before["misses"]
+    assert not internal_state(stock)["mm_preprocess_cache"]["enabled"], "stock SGLang: off"
