@@ -6,6 +6,7 @@ over both servers."""
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 import requests
@@ -38,11 +39,24 @@ def cluster(tiny_model, nocheck_config, tmp_path_factory):
                     "--worker-urls", *(w.url for w in workers)]
 
         router = launch(command, logs / "router.log")
+        wait_for_workers(router, len(workers))
         yield router, workers
         router.stop()
     finally:
         for worker in workers:
             worker.stop()
+
+
+def wait_for_workers(router, count: int, timeout: float = 60) -> None:
+    """The router answers /health before it has registered its workers (a request then gets
+    503); /readiness counts the healthy ones."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready = requests.get(f"{router.url}/readiness", timeout=5)
+        if ready.status_code == 200 and ready.json().get("healthy_workers") == count:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"the router did not register {count} workers in {timeout:.0f}s")
 
 
 def unicache(worker) -> dict:
@@ -57,10 +71,12 @@ def test_each_image_is_compressed_once_on_one_server(cluster) -> None:
             messages = [{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": data_url(solid_png(colour))}},
                 {"type": "text", "text": question}]}]
-            out = requests.post(f"{router.url}/v1/chat/completions", timeout=120,
-                                headers=routing_headers(messages), json={
-                                    "model": "default", "messages": messages,
-                                    "max_tokens": 2, "temperature": 0}).json()
+            reply = requests.post(f"{router.url}/v1/chat/completions", timeout=120,
+                                  headers=routing_headers(messages), json={
+                                      "model": "default", "messages": messages,
+                                      "max_tokens": 2, "temperature": 0})
+            assert reply.status_code == 200, reply.text
+            out = reply.json()
             if question != QUESTIONS[0]:  # a repeat: served from the span on its server
                 assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= IMAGE_TOKENS
     stats = [unicache(w) for w in workers]
