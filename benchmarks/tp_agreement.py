@@ -50,30 +50,35 @@ def compare(method: str, selfcheck: bool, chats, logs: Path) -> dict:
             "rank_disagreements": s2["rank_disagreements"], "integrity": s2["integrity"]}
 
 
+def command(args) -> str:
+    return (f"python -m benchmarks.tp_agreement --methods {args.methods} --selfcheck "
+            f"{args.selfcheck} --images {args.images} --turns {args.turns}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", default="all", help="comma-separated, or all")
     parser.add_argument("--images", type=int, default=4)
     parser.add_argument("--turns", type=int, default=2)
+    parser.add_argument("--selfcheck", default="on,off", help="on, off or on,off")
     parser.add_argument("--out", type=Path, default=Path("runs/tp-agreement.json"))
     args = parser.parse_args()
     methods = known_methods() if args.methods == "all" else args.methods.split(",")
     chats = conversations(args.images, args.turns, 8)
     logs = Path(tempfile.mkdtemp(prefix="tp-agreement-"))
     rows = []
+    settings = [s == "on" for s in args.selfcheck.split(",")]
     for method in methods:
-        for selfcheck in (True, False):
+        for selfcheck in settings:
             row = compare(method, selfcheck, chats, logs)
             rows.append(row)
             same = row["tp1"] == row["tp2"]
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"command": command(args), "rows": rows}, indent=1))
             print(f"{method:14} selfcheck {'on ' if selfcheck else 'off'} answers "
                   f"{row['answers_equal']}/{row['answers']} equal, stats "
                   f"{'equal' if same else 'DIFFER'} {row['tp2']}, disagreements "
                   f"{row['rank_disagreements']}", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": "python -m benchmarks.tp_agreement "
-                                    f"--methods {args.methods} --images {args.images} "
-                                    f"--turns {args.turns}", "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
