@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from examples.demo import BUNDLED, conversations, run
-from tests.support.client import flush_cache, internal_state
-from tests.support.server import start_server
+from benchmarks.tp_agreement import serve as serve_chats
+from examples.demo import conversations
 
 CASES = {
     "shipped defaults": [],
@@ -23,16 +22,6 @@ CASES = {
 TRIPPING = "selfcheck_threshold: {threshold}\nescalate_max_keep: 0.2\n"
 THRESHOLD = 0.6  # between the bundled images' KL values at keep 0.05 (some pass, some fail)
 GRID = 8
-
-
-def serve_chats(flags: list[str], log, chats) -> tuple[list[str], dict]:
-    server = start_server(BUNDLED, ["--unicache", *flags, "--enable-cache-report"], log)
-    try:
-        flush_cache(server)
-        rows = run(server.url, chats, "tp")
-        return [r["answer"] for r in rows], internal_state(server)["unicache"]
-    finally:
-        server.stop()
 
 
 @pytest.mark.parametrize("case", CASES)
