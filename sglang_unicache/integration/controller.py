@@ -1,6 +1,7 @@
 """The scheduler-side driver: which requests to compress, and compressing them after prefill.
 
-Life of a request with an image (non-overlap scheduler):
+Life of a request with an image (with the overlap scheduler, ``hooks.around_get_next_batch_to_run``
+processes a compressing prefill's result before the next batch is built, so the order is the same):
 1. ``begin_forward`` (before an extend batch runs): a request whose prompt ends in this extend
    and whose image spans (>= ``min_image_tokens``) are all its own (none came from the tree)
    becomes a target; its last W prompt positions are marked for query capture (``capture.py``).

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_unicache.integration import flags, positions, radix_cache, routing
@@ -57,6 +57,10 @@ class PluginState:
     controller: Controller | None = None
     scheduler: Any = None
     capture: QueryCapture | None = None
+    # Overlap scheduler: results of extend batches with compression targets, not yet processed,
+    # and results processed ahead of the loop (``drain_compressing_results``), oldest first.
+    compressing: list = field(default_factory=list)
+    processed_early: list = field(default_factory=list)
 
 
 STATE = PluginState()
@@ -82,11 +86,6 @@ def _prepare_config(server_args: Any, config: Any) -> Any:
             raise flags.UniCacheFlagError(
                 f"--unicache brings its own radix cache; drop --radix-cache-backend {backend}")
         server_args.radix_cache_backend = radix_cache.BACKEND
-        if not server_args.disable_overlap_schedule:
-            # Compaction rewrites a request's lengths between its prefill and its first decode;
-            # the overlap scheduler would already have launched that decode.
-            server_args.disable_overlap_schedule = True
-            logger.info("sglang-unicache: --unicache runs with the overlap scheduler disabled")
         if server_args.mm_preprocess_cache_size_mb is None:
             # A reused image skips the encoder and its prefill; with SGLang's preprocessing cache
             # it skips the image processor too (--mm-preprocess-cache-size-mb 0 turns it off).
@@ -133,9 +132,6 @@ def after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any)
     reason = unsupported_setup(scheduler.server_args, hf_config)
     if reason:
         raise flags.UniCacheFlagError(reason)
-    if getattr(scheduler, "enable_overlap", False):
-        # Only reachable with a hand-built ServerArgs; the flag paths turn overlap off.
-        raise flags.UniCacheFlagError("--unicache needs --disable-overlap-schedule")
     allocator = scheduler.token_to_kv_pool_allocator
     tree = scheduler.tree_cache
     from sglang.srt.runtime_context import get_parallel
@@ -174,11 +170,55 @@ def around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kw
     STATE.capture = controller.begin_forward(batch)
     start = time.perf_counter()
     try:
-        return original(scheduler, batch, *args, **kwargs)
+        result = original(scheduler, batch, *args, **kwargs)
+        if STATE.capture is not None:
+            STATE.compressing.append(result)
+        return result
     finally:
         if STATE.capture is not None:
             controller.stats.prefill_seconds += time.perf_counter() - start
         STATE.capture = None
+
+
+def _holds(results: list, result: Any) -> bool:
+    """Whether ``result`` is in ``results`` (by identity: results do not compare by value)."""
+    return any(r is result for r in results)
+
+
+def _take(results: list, result: Any) -> bool:
+    for i, r in enumerate(results):
+        if r is result:
+            del results[i]
+            return True
+    return False
+
+
+@hook(f"{_SCHEDULER}.get_next_batch_to_run", "AROUND")
+def around_get_next_batch_to_run(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """Overlap scheduler: a prefill with requests to compress has its result processed (and the
+    requests compacted) before the next batch is built, as the non-overlap loop does. The next
+    decode then allocates each request's slot at its compacted length. Only the iterations after
+    such a prefill lose the overlap; every other one keeps it."""
+    if STATE.controller is not None and STATE.compressing:
+        queue = getattr(scheduler, "result_queue", None) or ()
+        waiting = [entry for entry in queue if not _holds(STATE.processed_early, entry[1])]
+        last = max((i for i, (_, result) in enumerate(waiting)
+                    if _holds(STATE.compressing, result)), default=-1)
+        for batch, result in waiting[:last + 1]:  # in order: results are processed in order
+            scheduler.process_batch_result(batch, result)
+            STATE.processed_early.append(result)
+    return original(scheduler, *args, **kwargs)
+
+
+@hook(f"{_SCHEDULER}.process_batch_result", "AROUND")
+def around_process_batch_result(original: Any, scheduler: Any, batch: Any, result: Any,
+                                *args: Any, **kwargs: Any) -> Any:
+    """A result ``around_get_next_batch_to_run`` processed early is not processed again when the
+    overlap loop pops it."""
+    if _take(STATE.processed_early, result):
+        return None
+    _take(STATE.compressing, result)
+    return original(scheduler, batch, result, *args, **kwargs)
 
 
 @hook("sglang.srt.layers.attention.base_attn_backend.AttentionBackend.forward", "AROUND")

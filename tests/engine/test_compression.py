@@ -104,6 +104,15 @@ def test_batched_workload_compresses_every_image_and_leaks_nothing(compressing):
     assert available_slots(compressing) == baseline
 
 
+def test_the_overlap_scheduler_stays_on(compressing):
+    """``--unicache`` keeps SGLang's overlap scheduler (issue 19); a compressing prefill's result
+    is processed before the next batch is built. The workloads above ran on it, and the
+    fixture's integrity check (it failed with "slot(s) both free and in the tree" before the
+    drain) holds after them."""
+    info = requests.get(f"{compressing.url}/server_info", timeout=30).json()
+    assert info["disable_overlap_schedule"] is False
+
+
 def test_many_distinct_images_at_once(compressing):
     flush_cache(compressing)
     baseline = available_slots(compressing)
