@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from benchmarks.perf_workload import concurrency, decode, streaming, workload
+from sglang_unicache.registry import known_methods
 from tests.support.client import (
     available_slots,
     chat,
@@ -182,9 +183,9 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=64, help="concurrency: largest b tried")
     parser.add_argument("--streaming-model", help="checkpoint of the streaming part (default: a "
                         "random Qwen2-VL, see STREAMING_MODEL)")
-    parser.add_argument("--streaming-methods", default="unicache,knorm,snapkv,aircache",
+    parser.add_argument("--streaming-methods", default="all",
                         help="streaming: methods run with the self-check off, besides stock and "
-                             "the shipped defaults")
+                             "the shipped defaults (comma-separated, or all)")
     parser.add_argument("--out", default="runs/perf.json")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp())
@@ -237,8 +238,10 @@ def main() -> None:
                                                            "--disable-overlap-schedule"],
                           "--unicache --unicache-keep-ratio 0.1 (defaults as shipped)":
                               ["--unicache", "--unicache-keep-ratio", "0.1"]}
+        methods = [m for m in known_methods() if m != "full"] \
+            if args.streaming_methods == "all" else args.streaming_methods.split(",")
         stream_servers |= {f"unicache {m} keep 0.1, selfcheck off": flags_for(m, 0.1, config)
-                           for m in args.streaming_methods.split(",") if m}
+                           for m in methods if m}
         results["streaming"] = streaming(stream_model, stream_servers, log_dir)
     if "concurrency" in parts:
         results["concurrency"] = concurrency(model, servers, log_dir, max_batch=args.max_batch)

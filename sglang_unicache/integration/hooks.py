@@ -207,6 +207,10 @@ def around_get_next_batch_to_run(original: Any, scheduler: Any, *args: Any, **kw
         for batch, result in waiting[:last + 1]:  # in order: results are processed in order
             scheduler.process_batch_result(batch, result)
             STATE.processed_early.append(result)
+            # The loop still pops this entry (and skips it). Until then SGLang reads the queued
+            # batch's requests as ones whose next token is not yet committed, and skips the
+            # decode of those it would finish by length; these have committed theirs.
+            batch.reqs = []
     return original(scheduler, *args, **kwargs)
 
 

@@ -113,6 +113,20 @@ def test_the_overlap_scheduler_stays_on(compressing):
     assert info["disable_overlap_schedule"] is False
 
 
+def test_a_compressed_request_one_decode_from_its_limit_finishes(compressing):
+    """Found under the overlap scheduler: SGLang skips the decode of a request whose queued
+    result finishes it by length. A compressing prefill's result, processed early, had already
+    committed its token, so a request with ``max_tokens`` 2 was dropped from the running batch
+    (never finished; the scheduler died on the leaked row)."""
+    flush_cache(compressing)
+    baseline = available_slots(compressing)
+    out = chat(compressing, image_chat(solid_png((3, 130, 70)), "what colour is it?",
+                                       max_tokens=2, ignore_eos=True))
+    assert out["usage"]["completion_tokens"] == 2
+    flush_cache(compressing)
+    assert available_slots(compressing) == baseline
+
+
 def test_many_distinct_images_at_once(compressing):
     flush_cache(compressing)
     baseline = available_slots(compressing)

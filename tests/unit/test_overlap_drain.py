@@ -44,11 +44,14 @@ def state(monkeypatch):
 def test_a_compressing_prefill_is_processed_before_the_next_batch_is_built(state):
     scheduler = FakeScheduler()
     decode, prefill = object(), object()
-    scheduler.result_queue.extend([("decode batch", decode), ("prefill batch", prefill)])
+    batches = [SimpleNamespace(reqs=["a"]), SimpleNamespace(reqs=["a", "b"])]
+    scheduler.result_queue.extend(zip(batches, [decode, prefill], strict=True))
     state.compressing.append(prefill)
 
     scheduler.get_next_batch_to_run()
     assert scheduler.built == [[decode, prefill]]  # both, in queue order, before the build
+    # SGLang reads the queued batch's requests as not having their token yet: they have it.
+    assert [b.reqs for b in batches] == [[], []]
 
     scheduler.pop_and_process()
     scheduler.pop_and_process()
@@ -59,10 +62,12 @@ def test_a_compressing_prefill_is_processed_before_the_next_batch_is_built(state
 def test_other_batches_keep_the_overlap(state):
     scheduler = FakeScheduler()
     decode = object()
-    scheduler.result_queue.append(("decode batch", decode))
+    batch = SimpleNamespace(reqs=["a"])
+    scheduler.result_queue.append((batch, decode))
 
     scheduler.get_next_batch_to_run()
     assert scheduler.built == [[]]  # nothing processed ahead of the loop
+    assert batch.reqs == ["a"]
 
     scheduler.pop_and_process()
     assert scheduler.processed == [decode]
@@ -72,7 +77,7 @@ def test_without_the_plugin_nothing_is_drained(monkeypatch):
     monkeypatch.setattr(hooks, "STATE", hooks.PluginState())
     scheduler = FakeScheduler()
     prefill = object()
-    scheduler.result_queue.append(("prefill batch", prefill))
+    scheduler.result_queue.append((SimpleNamespace(reqs=["a"]), prefill))
     hooks.STATE.compressing.append(prefill)
 
     scheduler.get_next_batch_to_run()
