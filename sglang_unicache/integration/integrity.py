@@ -22,8 +22,13 @@ from sglang_unicache.integration.radix_cache import FULL, spans_of
 
 
 def live_requests(scheduler) -> list:
+    """Every request holding a row: running, waiting, the chunked one, and (overlap scheduler)
+    those of a batch in flight, whose result is not processed yet: a request finishing there has
+    left the running batch and still holds its row until the result frees it."""
+    in_flight = [req for batch, _ in getattr(scheduler, "result_queue", None) or ()
+                 for req in batch.reqs]
     reqs = {}
-    for req in [*scheduler.running_batch.reqs, *scheduler.waiting_queue,
+    for req in [*scheduler.running_batch.reqs, *scheduler.waiting_queue, *in_flight,
                 *([scheduler.chunked_req] if scheduler.chunked_req is not None else [])]:
         if req.kv.req_pool_idx is not None:
             reqs[req.rid] = req
