@@ -64,6 +64,8 @@ FP8 = ["--kv-cache-dtype", "fp8_e4m3"]
 
 # The README's plain launch: the defaults as a user gets them (self-check and escalation on).
 SHIPPED = ["--unicache", "--enable-cache-report"]
+SHIPPED_ROW = {"--unicache --unicache-keep-ratio 0.1 (defaults as shipped)":
+               [*SHIPPED, "--unicache-keep-ratio", "0.1"]}
 
 
 def flags_for(method: str | None, ratio: float, config: Path) -> list[str]:
@@ -213,7 +215,8 @@ def main() -> None:
     if "decode" in parts:
         decode_model = Path(args.decode_model) if args.decode_model else build_tiny_qwen2_vl(
             work / "tiny-qwen2-vl-decode", **DECODE_MODEL)
-        results["decode"] = decode(decode_model, servers, log_dir, batch=args.decode_batch)
+        results["decode"] = decode(decode_model, {**servers, **SHIPPED_ROW}, log_dir,
+                                   batch=args.decode_batch)
     if "dp" in parts:
         # --dp-size 2 (issue 15): the workload with SGLang's round robin, then with image routing
         # (the ratio row), then stock SGLang and the shipped defaults at dp 2.
@@ -236,8 +239,7 @@ def main() -> None:
         stream_servers = {"stock": ["--enable-cache-report"],
                           "stock, overlap scheduler off": ["--enable-cache-report",
                                                            "--disable-overlap-schedule"],
-                          "--unicache --unicache-keep-ratio 0.1 (defaults as shipped)":
-                              ["--unicache", "--unicache-keep-ratio", "0.1"]}
+                          **SHIPPED_ROW}
         methods = [m for m in known_methods() if m != "full"] \
             if args.streaming_methods == "all" else args.streaming_methods.split(",")
         stream_servers |= {f"unicache {m} keep 0.1, selfcheck off": flags_for(m, 0.1, config)

@@ -17,6 +17,7 @@ dispatches here.
 from __future__ import annotations
 
 import concurrent.futures as futures
+import json
 import random
 import re
 import time
@@ -65,14 +66,17 @@ def warmed(model: Path, flags: list[str], log: Path):
 def on_each(model: Path, servers: dict[str, list[str]], extra: list[str], log: Path,
             measure, ratio_keys: list[str], ratio_label: str = "plugin / stock") -> list[dict]:
     """``measure(server)`` on each server in turn (``warmed``), then a ``ratio_label`` row for
-    ``ratio_keys``: the second server over the first (by default the plugin over stock)."""
+    ``ratio_keys``: the second server over the first (by default the plugin over stock), and a
+    ``<server> / <first>`` row for each further server."""
     rows = []
     for i, (name, flags) in enumerate(servers.items()):
         with warmed(model, flags + extra, f"{log}-{i}.log") as server:
             rows.append({"server": name, **measure(server)})
-    first, second = rows[0], rows[1]
-    rows.append({"server": ratio_label, **{
-        k: round(second[k] / first[k], 2) if first[k] else None for k in ratio_keys}})
+    first = rows[0]
+    labels = [ratio_label, *(f"{row['server']} / {first['server']}" for row in rows[2:])]
+    for label, row in zip(labels, rows[1:], strict=True):
+        rows.append({"server": label, **{
+            k: round(row[k] / first[k], 2) if first[k] else None for k in ratio_keys}})
     return rows
 
 
@@ -217,8 +221,12 @@ def streaming(model: Path, servers: dict[str, list[str]], log_dir: Path, *, batc
     token from its first token to its last (``tpot``: mean and worst request), and every gap
     between two tokens (``itl`` p50/p99 over all requests); with the plugin, compression time as
     a share of prefill time (the scheduler's own counters), and where the scheduler spent the
-    run by phase (``scheduler_phases.py``, a py-spy sample). Each server's row carries its ratio
-    to the first server (stock) as ``tpot_vs_stock``."""
+    run by phase (``scheduler_phases.py``, a py-spy sample). ``tpot`` starts at the first token,
+    so a stall before it (SGLang's overlap loop streams a prefill's first token only after the
+    next batch has run) is out of it and one after it is in: each request's first and last
+    token (``first_last_s``, ``last_token_*``: seconds after sending) show where the time went.
+    Each server's row carries its ratios to the first server (stock): ``tpot_vs_stock`` and
+    ``last_token_vs_stock``."""
     bodies = multi_image_bodies(batch, images, image_px, max_tokens)
     pool = batch * (images * (image_px // 28) ** 2 + 64 + max_tokens)
     extra = ["--max-total-tokens", str(pool), "--max-running-requests", str(batch)]
@@ -235,17 +243,28 @@ def streaming(model: Path, servers: dict[str, list[str]], log_dir: Path, *, batc
             after = internal_state(server).get("unicache", {})
         tpot = [(o["times"][-1] - o["times"][0]) / (len(o["times"]) - 1) for o in outs]
         gaps = [b - a for o in outs for a, b in zip(o["times"], o["times"][1:], strict=False)]
+        last = [o["times"][-1] for o in outs]
         row = {"server": name, "tpot_ms": round(1000 * sum(tpot) / len(tpot), 1),
                "tpot_worst_ms": round(1000 * max(tpot), 1),
                "itl_p50_ms": round(1000 * percentile(gaps, 0.5), 1),
                "itl_p99_ms": round(1000 * percentile(gaps, 0.99), 1),
-               "ttft_p50_ms": round(1000 * percentile([o["times"][0] for o in outs], 0.5))}
+               "ttft_p50_ms": round(1000 * percentile([o["times"][0] for o in outs], 0.5)),
+               "ttft_mean_s": round(sum(o["times"][0] for o in outs) / len(outs), 1),
+               "last_token_mean_s": round(sum(last) / len(last), 1),
+               "last_token_worst_s": round(max(last), 1),
+               # Each request's (first token, last token), seconds after sending, in the order
+               # the requests got their first token: where a stall sits, before or after it.
+               "first_last_s": sorted([round(o["times"][0], 1), round(o["times"][-1], 1)]
+                                      for o in outs)}
         if after:
             prefill = after["prefill_seconds"] - before.get("prefill_seconds", 0.0)
             compress = after["compress_seconds"] - before.get("compress_seconds", 0.0)
             row["compress_share_of_prefill"] = round(compress / max(prefill, 1e-9), 3)
         row["scheduler_phases"] = scheduler_phases.phases(log_dir / f"streaming-{i}.pyspy")
         rows.append(row)
+        print(json.dumps(row), flush=True)  # a long run keeps what it measured if stopped
     for row in rows:
         row["tpot_vs_stock"] = round(row["tpot_ms"] / rows[0]["tpot_ms"], 2)
+        row["last_token_vs_stock"] = round(row["last_token_mean_s"]
+                                           / rows[0]["last_token_mean_s"], 2)
     return rows
