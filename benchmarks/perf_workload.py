@@ -130,6 +130,13 @@ def workload(model: Path, servers: dict[str, list[str]], log_dir: Path, *,
                              "requests_s"], ratio_label)
 
 
+def plugin_counts(before: dict, after: dict) -> dict:
+    """What the plugin did between two ``/server_info`` reads (empty for stock SGLang): images
+    compressed, self-check escalations and fallbacks, and KV slots freed by compaction."""
+    keys = ("images_compressed", "escalations", "fallbacks", "slots_freed")
+    return {k: after[k] - before.get(k, 0) for k in keys} if after else {}
+
+
 def multi_image_bodies(batch: int, images: int, image_px: int, max_tokens: int) -> list[dict]:
     """``batch`` chat requests of ``images`` distinct pictures each and ``max_tokens`` outputs."""
     bodies = []
@@ -152,8 +159,10 @@ def decode(model: Path, servers: dict[str, list[str]], log_dir: Path, *, batch: 
     bodies = multi_image_bodies(batch, images, image_px, max_tokens)
 
     def measure(server) -> dict:
+        before = internal_state(server).get("unicache", {})
         with futures.ThreadPoolExecutor(max_workers=batch) as clients:
             outs = list(clients.map(lambda body: stream_chat(server, body, timeout=900), bodies))
+        counts = plugin_counts(before, internal_state(server).get("unicache", {}))
         arrivals = [[o["sent"] + t for t in o["times"]] for o in outs]
         together = max(a[0] for a in arrivals)
         windows = [[t for t in a if t >= together] for a in arrivals]
@@ -166,7 +175,8 @@ def decode(model: Path, servers: dict[str, list[str]], log_dir: Path, *, batch: 
                 "prompt_tokens": outs[0]["usage"]["prompt_tokens"],
                 "tokens_timed": timed,
                 "decode_ms_per_token": round(1000 * sum(per_token) / len(per_token), 1),
-                "ttft_p50_ms": round(1000 * percentile([o["times"][0] for o in outs], 0.5))}
+                "ttft_p50_ms": round(1000 * percentile([o["times"][0] for o in outs], 0.5)),
+                **counts}
 
     pool = batch * (images * image_tokens + 64 + max_tokens)
     extra = ["--max-total-tokens", str(pool), "--max-running-requests", str(batch)]
@@ -256,6 +266,7 @@ def streaming(model: Path, servers: dict[str, list[str]], log_dir: Path, *, batc
                # the requests got their first token: where a stall sits, before or after it.
                "first_last_s": sorted([round(o["times"][0], 1), round(o["times"][-1], 1)]
                                       for o in outs)}
+        row |= plugin_counts(before, after)
         if after:
             prefill = after["prefill_seconds"] - before.get("prefill_seconds", 0.0)
             compress = after["compress_seconds"] - before.get("compress_seconds", 0.0)
