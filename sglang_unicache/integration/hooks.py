@@ -58,7 +58,7 @@ class PluginState:
     scheduler: Any = None
     capture: QueryCapture | None = None
     # Overlap scheduler: results of extend batches with compression targets, not yet processed,
-    # and results processed ahead of the loop (``drain_compressing_results``), oldest first.
+    # and results processed ahead of the loop (``around_get_next_batch_to_run``), oldest first.
     compressing: list = field(default_factory=list)
     processed_early: list = field(default_factory=list)
 
@@ -186,6 +186,7 @@ def _holds(results: list, result: Any) -> bool:
 
 
 def _take(results: list, result: Any) -> bool:
+    """Remove ``result`` from ``results`` (by identity); whether it was there."""
     for i, r in enumerate(results):
         if r is result:
             del results[i]
