@@ -22,7 +22,8 @@ from typing import Any
 QUANTIZATIONS = ("off", "int8", "int4")
 LAYER_FILLS = ("none", "next")
 MODALITY_ALLOCATIONS = ("density", "fixed")
-SELFCHECK_STATISTICS = ("kl", "kl_head", "image_mass_lost", "output_error", "key_coverage")
+SELFCHECK_STATISTICS = ("kl", "kl_head", "image_mass_lost", "output_error", "key_coverage",
+                        "content_lost")
 
 # Seed §8.2 scenario presets, as overrides of the §8.1 defaults. keep_ratio is never changed by a
 # preset: it is the user's explicit request (see module docstring).
@@ -169,6 +170,10 @@ class UniCacheConfig:
     selfcheck_statistic: str = doc("kl", "what the check compares (checks/selfcheck.py)")
     selfcheck_threshold: float = doc(0.9, "above it the check fails (seed: 0.1, docs/selfcheck.md)")
     selfcheck_layers: int = doc(2, "last layers checked")
+    # The question-free half of the check (checks/selfcheck.py, docs/selfcheck.md): 0.5 separated
+    # the bundled model's harmless keep-0.1 plans from the grid model's harmful ones (ours).
+    selfcheck_content_threshold: float = doc(
+        0.5, "content_lost above it fails the check too; 1 turns it off (docs/selfcheck.md)")
     # A failed check doubles the keep ratio up to this cap (re-planned from the same scores)
     # before the request falls back to its full KV; <= keep_ratio means no escalation (ours).
     escalate_max_keep: float = doc(0.4, "a failed check doubles keep up to this, then full KV")
@@ -248,6 +253,7 @@ class UniCacheConfig:
                 f"{self.selfcheck_threshold!r}"
             )
         _unit("escalate_max_keep", self.escalate_max_keep, low_open=True)
+        _unit("selfcheck_content_threshold", self.selfcheck_content_threshold)
         _int_range("redundancy_window", self.redundancy_window, 1, 64)
         _int_range("selfcheck_layers", self.selfcheck_layers, 1, 1 << 10)
         _choice("modality_allocation", self.modality_allocation, MODALITY_ALLOCATIONS)

@@ -20,20 +20,36 @@ tokens as they are, each span replaced by its compressed entries), reduced to on
 - ``key_coverage``: question-independent: ``1 - max cos(k, kept k)`` averaged over the span's
   tokens and heads: how far the kept keys are from the keys they replace, whatever the question.
 
+One statistic needs no query and looks at the first layer instead (ours, not in the seed):
+
+- ``content_lost``: the share of the image's *content* that the plan drops, whatever the question.
+  A token's content is how far its first-layer value lies from the span's median value (the
+  background an image mostly is): ``c_i = ||v_i - median_j v_j||`` per KV head, and the statistic
+  is ``1 - sum(c over kept entries) / sum(c)``, averaged over heads (merged members count as
+  dropped). It is low when the kept tokens hold what stands out of the image (objects on a plain
+  background) and high when the image's information is spread over all of it (a dense grid), where
+  no plan that follows one question can serve the next.
+
+The verdict needs both: the deciding statistic at most ``selfcheck_threshold`` *and*
+``content_lost`` at most ``selfcheck_content_threshold``. The first guards the question that
+compressed the image, the second the later questions a shared span will be asked (DESIGN §5):
+on issue 13's second task no question-following statistic saw the harm (docs/selfcheck.md).
+
 Means are taken per KV head first, then over the heads of every tensor-parallel rank
 (``ranks.py``), so every rank reaches the same verdict.
 
-Which statistic decides, and its threshold, are ``selfcheck_statistic`` / ``selfcheck_threshold``
-(defaults from the measurement in docs/selfcheck.md: which statistic predicts that a compressed,
-reused image answers later questions differently). The seed's KL predicted best (ROC AUC 0.885)
-and stays the statistic. Departure from the seed: its threshold of 0.1 rejects every image at a
-10x keep ratio on the models we measured; the default is 0.9 (the best separation of harmed from
-unharmed images). A failed check escalates the budget (``compressor.Method.plan``).
+The query statistic that decides, and its threshold, are ``selfcheck_statistic`` /
+``selfcheck_threshold`` (defaults from the measurement in docs/selfcheck.md: which statistic
+predicts that a compressed, reused image answers later questions differently). The seed's KL
+predicted best (ROC AUC 0.885) and stays the statistic. Departure from the seed: its threshold of
+0.1 rejects every image at a 10x keep ratio on the models we measured; the default is 0.9 (the
+best separation of harmed from unharmed images). A failed check escalates the budget
+(``compressor.Method.plan``).
 
 Only observation queries that see each compressed span either fully or not at all are used (a
-query inside a span would see a partial span); with none left the check reports ``checked=False``
-and passes. Memory: ``[H, G, W, N]`` per span and ``[H, G, W, chunk]`` for the rest, never
-``[T, T]``.
+query inside a span would see a partial span); with none left (or no queries at all) only
+``content_lost`` decides. Memory: ``[H, G, W, N]`` per span and ``[H, G, W, chunk]`` for the
+rest, never ``[T, T]``.
 """
 
 from __future__ import annotations
@@ -49,7 +65,8 @@ from ..plans import CompressionPlan, SelfCheckResult
 
 Tensor = torch.Tensor
 
-STATISTICS = SELFCHECK_STATISTICS  # the order of layer_stats' output
+STATISTICS = SELFCHECK_STATISTICS[:-1]  # the order of layer_stats' output (then content_lost)
+CONTENT_LAYER = 0  # content_lost reads the first layer: the image as the vision encoder gave it
 
 
 def _reference(ctx, layer: int, spans: tuple) -> dict | None:
@@ -141,15 +158,33 @@ def layer_stats(ctx, layer: int, plans: list[CompressionPlan]) -> Tensor | None:
     return torch.stack([means[0], kl_head, means[1], means[2], means[3:].max()])
 
 
+def content_lost(ctx, plans: list[CompressionPlan]) -> Tensor | None:
+    """``content_lost`` (module docstring) of the worst span, a 0-d tensor; None with no plan."""
+    plans = [p for p in plans if not p.skipped]
+    if not plans:
+        return None
+    values = ctx.values(CONTENT_LAYER)
+    worst = []
+    for p in plans:
+        v = values[p.span.start : p.span.end].float().transpose(0, 1)  # [H, N, D]
+        content = (v - v.median(dim=1, keepdim=True).values).norm(dim=-1)  # [H, N]
+        kept = content.gather(1, p.layers[CONTENT_LAYER].kept.long()).sum(-1)
+        lost = 1.0 - kept / content.sum(-1).clamp_min(1e-30)  # [H]
+        worst.append(ctx.shards.mean(lost.unsqueeze(-1))[0])
+    return torch.stack(worst).amax()
+
+
 @dataclass(frozen=True)
 class SelfCheck:
     """The §7.1 check, built from the config's ``selfcheck_*`` fields: ``statistic`` (one of
-    ``STATISTICS``, default "kl"), ``threshold`` (fails above it, default 0.9) and ``layers`` (the
-    last layers checked, default 2)."""
+    ``STATISTICS``, default "kl"), ``threshold`` (fails above it, default 0.9), ``layers`` (the
+    last layers checked, default 2) and ``content_threshold`` (``content_lost`` fails above it,
+    default 0.5; 1 turns that half of the check off)."""
 
     statistic: str = "kl"
     threshold: float = 0.9
     layers: int = 2
+    content_threshold: float = 0.5
 
     def unchecked(self, layers: tuple[int, ...] = ()) -> SelfCheckResult:
         """The passing result of a check that saw nothing (identity plan, no valid query)."""
@@ -159,13 +194,19 @@ class SelfCheck:
         """Run the check over the last ``layers`` layers."""
         n = ctx.num_layers
         layers = tuple(range(max(0, n - self.layers), n))
-        if not ctx.has_queries:
+        content = content_lost(ctx, plans)
+        if content is None:
             return self.unchecked(layers)
-        per_layer = [v for v in (layer_stats(ctx, li, plans) for li in layers) if v is not None]
-        if not per_layer:
-            return self.unchecked(layers)
-        worst = torch.stack(per_layer).amax(dim=0).tolist()  # one host sync per plan
-        stats = dict(zip(STATISTICS, worst, strict=True))
-        value = stats[self.statistic]
-        return SelfCheckResult(self.statistic, value, self.threshold, layers, True,
-                               value <= self.threshold, stats)
+        per_layer = []
+        if ctx.has_queries:
+            per_layer = [v for v in (layer_stats(ctx, li, plans) for li in layers) if v is not None]
+        if per_layer:
+            worst = torch.cat([torch.stack(per_layer).amax(dim=0), content.view(1)])
+            stats = dict(zip(SELFCHECK_STATISTICS, worst.tolist(), strict=True))  # one host sync
+            value = stats[self.statistic]
+            passed = value <= self.threshold
+        else:  # no query sees the spans: only the question-free half decides
+            stats = {"content_lost": float(content)}
+            value, passed = 0.0, True
+        passed = passed and stats["content_lost"] <= self.content_threshold
+        return SelfCheckResult(self.statistic, value, self.threshold, layers, True, passed, stats)

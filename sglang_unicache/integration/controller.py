@@ -164,9 +164,11 @@ class Controller:
         self.since_warning = FALLBACK_WINDOW
         cfg = self.config
         if self.active and cfg.selfcheck:
-            logger.info("sglang-unicache: %s at keep %.3g; self-check %s <= %.3g, escalating up "
-                        "to keep %.3g before keeping full KV", cfg.method, cfg.keep_ratio,
-                        cfg.selfcheck_statistic, cfg.selfcheck_threshold, cfg.escalate_max_keep)
+            logger.info("sglang-unicache: %s at keep %.3g; self-check %s <= %.3g and content_lost"
+                        " <= %.3g, escalating up to keep %.3g before keeping full KV",
+                        cfg.method, cfg.keep_ratio, cfg.selfcheck_statistic,
+                        cfg.selfcheck_threshold, cfg.selfcheck_content_threshold,
+                        cfg.escalate_max_keep)
         self.naming = SpanNaming.of(self.config)
         if self.tree is not None:
             self.tree.enable_spans(SpanSettings(self.naming, cfg.recompress,
@@ -357,10 +359,12 @@ class Controller:
             cfg = self.config
             logger.warning(
                 "sglang-unicache: %d of the last %d image requests kept their full KV (self-check"
-                " %s > %.3g even at keep %.3g); compression is mostly off: see the config keys "
-                "selfcheck_threshold and escalate_max_keep (docs/selfcheck.md)",
+                " %s > %.3g or content_lost > %.3g even at keep %.3g); compression is mostly "
+                "off: see the config keys selfcheck_threshold, selfcheck_content_threshold and "
+                "escalate_max_keep (docs/selfcheck.md)",
                 sum(self.outcomes), len(self.outcomes), cfg.selfcheck_statistic,
-                cfg.selfcheck_threshold, max(cfg.escalate_max_keep, cfg.keep_ratio))
+                cfg.selfcheck_threshold, cfg.selfcheck_content_threshold,
+                max(cfg.escalate_max_keep, cfg.keep_ratio))
 
     def _rewrite_ids(self, req, pending: Pending, results: list[SpanResult]) -> None:
         pads = {start: pad for start, _, pad in pending.spans}

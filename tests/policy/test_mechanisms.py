@@ -142,7 +142,8 @@ def test_failed_selfcheck_escalates_the_budget_before_falling_back() -> None:
     inp = make_inputs(group=1)
     q = torch.stack([inp.keys[li][[7, 7, 7, 63, 63, 63]] * 6.0 for li in range(3)])
     inp = ScoreInputs(inp.keys, inp.values, inp.spans, obs_queries=q)
-    cfg = UniCacheConfig(keep_ratio=0.05, selfcheck_statistic="kl", escalate_max_keep=0.4)
+    cfg = UniCacheConfig(keep_ratio=0.05, selfcheck_statistic="kl", escalate_max_keep=0.4,
+                         selfcheck_content_threshold=1.0)  # the query half alone
     # the worst method keeps the least-attended tokens: the KL falls as the budget grows
     kl = {keep: _bad_scorer_method(cfg.replace(keep_ratio=keep, escalate_max_keep=keep))
           .plan(inp).selfcheck.kl for keep in (0.05, 0.1, 0.2, 0.4)}
@@ -196,7 +197,7 @@ def test_selfcheck_statistics_are_zero_when_nothing_is_lost() -> None:
     lossy = build_method(UniCacheConfig(method="knorm", keep_ratio=0.2,
                                         escalate_max_keep=0.2)).plan(inp).selfcheck
     assert set(lossy.stats) == {"kl", "kl_head", "image_mass_lost", "output_error",
-                                "key_coverage"}
+                                "key_coverage", "content_lost"}
     assert all(lossy.stats[name] > 1e-3 for name in lossy.stats)
     assert lossy.stats["kl_head"] >= lossy.stats["kl"]
 
@@ -341,3 +342,49 @@ def test_grid_redundancy_uses_vertical_neighbours() -> None:
     sl = slice(spans[0].start, spans[0].end)
     want = grid_redundancy(inp.keys[0][sl], inp.values[0][sl], 10, 4)
     torch.testing.assert_close(ctx.redundancy(0)[:, sl], want)
+
+
+def _content_inputs(objects: int) -> ScoreInputs:
+    """One 64-token image (2 KV heads) on a near-constant background with ``objects`` tokens whose
+    first-layer values stand out and whose keys are short (so knorm keeps objects first); the text
+    queries at the end attend to the first object."""
+    g = torch.Generator().manual_seed(3)
+    layers, t, h, d = 2, 72, 2, 8
+    k = 0.05 * torch.randn(layers, t, h, d, generator=g)
+    k[:, :, :, 1] += 1.0
+    v = 0.05 * torch.randn(layers, t, h, d, generator=g)
+    marks = [4 + (60 * i) // objects for i in range(objects)]
+    v[:, marks] += 3.0 * torch.randn(layers, objects, h, d, generator=g)
+    k[:, marks, :, 1] = 0.0
+    k[:, marks[0], :, 0] = 0.5
+    q = torch.zeros(layers, 2, h, d)
+    q[:, :, :, 0] = 4.0
+    return ScoreInputs(k, v, [ImageSpan(4, 68)], obs_queries=q, scale=1.0)
+
+
+def test_content_check_guards_what_later_questions_need() -> None:
+    """Issue 13: the question-free half of the check. An image whose content sits on a few tokens
+    loses little of it at keep 0.1 and passes; an image whose content is spread over every token
+    loses most of it whatever the question attends to: the check escalates to the cap and keeps
+    the full KV, though the query half (the KL of the question that compressed it) passes."""
+    cfg = UniCacheConfig(method="knorm", keep_ratio=0.1, selfcheck_threshold=1e9,
+                         escalate_max_keep=0.4)
+    sparse = build_method(cfg).plan(_content_inputs(objects=4))
+    assert sparse.selfcheck.passed and not sparse.fallback and sparse.escalations == 0
+    assert sparse.selfcheck.stats["content_lost"] < cfg.selfcheck_content_threshold
+    dense = build_method(cfg).plan(_content_inputs(objects=60))
+    assert dense.selfcheck.stats["content_lost"] > cfg.selfcheck_content_threshold
+    assert dense.fallback and dense.escalations == 2 and dense.keep_ratio == 0.4
+    assert dense.selfcheck.value <= cfg.selfcheck_threshold  # the query half alone would pass
+    off = build_method(cfg.replace(selfcheck_content_threshold=1.0)).plan(_content_inputs(60))
+    assert off.selfcheck.passed and not off.fallback
+
+
+def test_content_check_decides_without_observation_queries() -> None:
+    """A request whose queries were not captured is still checked on its content."""
+    inp = _content_inputs(objects=60)
+    no_q = ScoreInputs(inp.keys, inp.values, inp.spans, scale=1.0)
+    cfg = UniCacheConfig(method="knorm", keep_ratio=0.1, escalate_max_keep=0.1)
+    plan = build_method(cfg).plan(no_q)
+    assert plan.selfcheck.checked and set(plan.selfcheck.stats) == {"content_lost"}
+    assert not plan.selfcheck.passed and plan.fallback
