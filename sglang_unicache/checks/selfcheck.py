@@ -22,13 +22,14 @@ tokens as they are, each span replaced by its compressed entries), reduced to on
 
 One statistic needs no query and looks at the first layer instead (ours, not in the seed):
 
-- ``content_lost``: the share of the image's *content* that the plan drops, whatever the question.
-  A token's content is how far its first-layer value lies from the span's median value (the
-  background an image mostly is): ``c_i = ||v_i - median_j v_j||`` per KV head, and the statistic
-  is ``1 - sum(c over kept entries) / sum(c)``, averaged over heads (merged members count as
-  dropped). It is low when the kept tokens hold what stands out of the image (objects on a plain
-  background) and high when the image's information is spread over all of it (a dense grid), where
-  no plan that follows one question can serve the next.
+- ``content_lost``: how much of the image the plan drops, whatever the question: the relative
+  error of the first layer's values (the image as the vision encoder hands it to the language
+  model) when every kept entry is exact and every other token is replaced by the span's
+  background, its median value ``m``: ``sum(||v_i - m|| over dropped tokens) / sum(||v_i||)`` per
+  KV head, averaged over heads (merged members count as dropped). It is low when what stands out
+  of the background is kept (objects on a plain background, or a plain image) and high when the
+  image's information is spread over all of it (a dense grid), where a plan that follows one
+  question cannot serve the next.
 
 The verdict needs both: the deciding statistic at most ``selfcheck_threshold`` *and*
 ``content_lost`` at most ``selfcheck_content_threshold``. The first guards the question that
@@ -169,7 +170,7 @@ def content_lost(ctx, plans: list[CompressionPlan]) -> Tensor | None:
         v = values[p.span.start : p.span.end].float().transpose(0, 1)  # [H, N, D]
         content = (v - v.median(dim=1, keepdim=True).values).norm(dim=-1)  # [H, N]
         kept = content.gather(1, p.layers[CONTENT_LAYER].kept.long()).sum(-1)
-        lost = 1.0 - kept / content.sum(-1).clamp_min(1e-30)  # [H]
+        lost = ((content.sum(-1) - kept) / v.norm(dim=-1).sum(-1).clamp_min(1e-30)).clamp_max(1.0)
         worst.append(ctx.shards.mean(lost.unsqueeze(-1))[0])
     return torch.stack(worst).amax()
 
@@ -179,12 +180,12 @@ class SelfCheck:
     """The §7.1 check, built from the config's ``selfcheck_*`` fields: ``statistic`` (one of
     ``STATISTICS``, default "kl"), ``threshold`` (fails above it, default 0.9), ``layers`` (the
     last layers checked, default 2) and ``content_threshold`` (``content_lost`` fails above it,
-    default 0.5; 1 turns that half of the check off)."""
+    default 0.3; 1 turns that half of the check off)."""
 
     statistic: str = "kl"
     threshold: float = 0.9
     layers: int = 2
-    content_threshold: float = 0.5
+    content_threshold: float = 0.3
 
     def unchecked(self, layers: tuple[int, ...] = ()) -> SelfCheckResult:
         """The passing result of a check that saw nothing (identity plan, no valid query)."""

@@ -100,7 +100,8 @@ def test_the_prompt_kv_is_read_one_layer_at_a_time(monkeypatch):
     32k-token prompt on a 7B model, outside the pool budget). The default method, self-check
     on, over 8 layers: at no point are more than two layers' copies alive."""
     controller, req, *_ = setup(torch.tensor([LENGTH]), layers=8,
-                                config=UniCacheConfig(keep_ratio=0.25, selfcheck_threshold=99.0))
+                                config=UniCacheConfig(keep_ratio=0.25, selfcheck_threshold=99.0,
+                                                      selfcheck_content_threshold=1.0))
     alive, peak, reads = weakref.WeakSet(), [0], [0]
     gather = controller_module.prompt_kv
 
@@ -130,7 +131,9 @@ def test_a_quantized_or_half_pool_is_compressed_in_its_dtype(dtype):
     the pool held (eviction moves stored values, it never re-quantizes them)."""
     controller, req, pool, allocator, _ = setup(
         torch.tensor([LENGTH]), dtype=dtype,
-        config=UniCacheConfig(keep_ratio=0.25, selfcheck_threshold=0.9))
+        # random pool values are all "content": only the query half of the check is asked here
+        config=UniCacheConfig(keep_ratio=0.25, selfcheck_threshold=0.9,
+                              selfcheck_content_threshold=1.0))
     row = controller.req_to_token[1, :LENGTH].to(torch.int64).clone()
     before = [pool.get_key_buffer(layer).index_select(0, row).clone() for layer in range(LAYERS)]
     free = allocator.available_size()
