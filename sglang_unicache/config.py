@@ -170,11 +170,12 @@ class UniCacheConfig:
     selfcheck_statistic: str = doc("kl", "what the check compares (checks/selfcheck.py)")
     selfcheck_threshold: float = doc(0.9, "above it the check fails (seed: 0.1, docs/selfcheck.md)")
     selfcheck_layers: int = doc(2, "last layers checked")
-    # The question-free half of the check (checks/selfcheck.py, docs/selfcheck.md): 0.3 lies
-    # between the bundled model's plans at keep 0.1 (at most 0.17, any method) and the grid
-    # model's at keep 0.4 (at least 0.49), whose later answers are wrong (ours).
+    # The question-free half of the check (checks/selfcheck.py, docs/selfcheck.md): 0.15 lies
+    # midway (geometric) between UniCache's plans on the bundled model (at most 0.087, keep 0.05)
+    # and on the grid model at the escalation cap 0.4 (at least 0.277), whose later answers
+    # are wrong; every threshold from 0.025 to 0.25 gives UniCache the same verdicts (ours).
     selfcheck_content_threshold: float = doc(
-        0.3, "content_lost above it fails the check too; 1 turns it off (docs/selfcheck.md)")
+        0.15, "content_lost above it fails the check too; 1 turns it off (docs/selfcheck.md)")
     # A failed check doubles the keep ratio up to this cap (re-planned from the same scores)
     # before the request falls back to its full KV; <= keep_ratio means no escalation (ours).
     escalate_max_keep: float = doc(0.4, "a failed check doubles keep up to this, then full KV")

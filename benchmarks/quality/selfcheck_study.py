@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from sglang_unicache.config import SELFCHECK_STATISTICS
+from sglang_unicache.config import SELFCHECK_STATISTICS, UniCacheConfig
 
 
 def auc(scores: list[float], labels: list[bool]) -> float:
@@ -45,7 +45,8 @@ def records(results: list[dict], ratios: set[float] | None) -> list[dict]:
             if not im["check"]:
                 continue
             lost = sum(r and not c for r, c in zip(ref, im["correct"], strict=True))
-            rows.append({"method": entry["method"], "keep_ratio": entry["keep_ratio"],
+            rows.append({"task": entry.get("task", "vqa"), "method": entry["method"],
+                         "keep_ratio": entry["keep_ratio"],
                          "stats": im["check"]["stats"], "correct": sum(im["correct"]),
                          "asked": len(im["correct"]), "lost": lost, "harmed": lost > 0})
     return rows
@@ -92,16 +93,17 @@ def main() -> None:
     parser.add_argument("--ratios", default="", help="only these keep ratios (comma list)")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
-    results = [entry for path in args.results for entry in json.load(open(path))]
     ratios = {float(r) for r in args.ratios.split(",")} if args.ratios else None
-    rows = records(results, ratios)
+    # one file per model: each joins its own ``full`` run
+    rows = [row for path in args.results for row in records(json.load(open(path)), ratios)]
+    statistics = [s for s in SELFCHECK_STATISTICS if all(s in r["stats"] for r in rows)]
     harmed = [r["harmed"] for r in rows]
     lines = [f"{len(rows)} compressed images, {sum(harmed)} harmed "
              f"(a later answer the full cache got right went wrong)", "",
              "| statistic | AUC (all) | " + " | ".join(
                  f"AUC {m}" for m in sorted({r['method'] for r in rows})) + " |",
              "|---|---|" + "---|" * len({r["method"] for r in rows})]
-    for stat in SELFCHECK_STATISTICS:
+    for stat in statistics:
         per = []
         for m in sorted({r["method"] for r in rows}):
             sub = [r for r in rows if r["method"] == m]
@@ -110,22 +112,44 @@ def main() -> None:
                      + " | ".join(f"{a:.3f}" for a in per) + " |")
     lines += ["", "Per method and keep ratio: the seed's KL (median, 90th percentile, max), the "
               "images harmed, and the later-answer accuracy:", "",
-              "| method | keep | images | KL p50 | KL p90 | KL max | harmed | accuracy |",
-              "|---|---|---|---|---|---|---|---|"]
-    for method, keep in sorted({(r["method"], r["keep_ratio"]) for r in rows}):
-        group = [r for r in rows if (r["method"], r["keep_ratio"]) == (method, keep)]
+              "| task | method | keep | images | KL p50 | KL p90 | KL max | content_lost min | "
+              "content_lost max | harmed | accuracy |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for task, method, keep in sorted({(r["task"], r["method"], r["keep_ratio"]) for r in rows}):
+        key = (task, method, keep)
+        group = [r for r in rows if (r["task"], r["method"], r["keep_ratio"]) == key]
         p50, p90 = quantiles([r["stats"]["kl"] for r in group], [0.5, 0.9])
         top = max(r["stats"]["kl"] for r in group)
+        content = [r["stats"].get("content_lost", float("nan")) for r in group]
         acc = sum(r["correct"] for r in group) / sum(r["asked"] for r in group)
-        lines.append(f"| {method} | {keep} | {len(group)} | {p50:.2f} | {p90:.2f} | {top:.2f} | "
+        lines.append(f"| {task} | {method} | {keep} | {len(group)} | {p50:.2f} | {p90:.2f} | "
+                     f"{top:.2f} | {min(content):.3f} | {max(content):.3f} | "
                      f"{sum(r['harmed'] for r in group)} | {acc:.1%} |")
+    shipped = UniCacheConfig()
+    kl_max, content_max = shipped.selfcheck_threshold, shipped.selfcheck_content_threshold
+    lines += ["", f"The shipped verdict (pass: kl <= {kl_max} and content_lost <= {content_max}) "
+              "against harm:", "",
+              "| task | images | passing | harmed passing | harmed failing | later-answer accuracy,"
+              " passing | failing |", "|---|---|---|---|---|---|---|"]
+    for task in sorted({r["task"] for r in rows}):
+        group = [r for r in rows if r["task"] == task and "content_lost" in r["stats"]]
+        ok = [r for r in group
+              if r["stats"]["kl"] <= kl_max and r["stats"]["content_lost"] <= content_max]
+        bad = [r for r in group if r not in ok]
+
+        def acc(g: list[dict]) -> str:
+            asked = sum(r["asked"] for r in g)
+            return f"{sum(r['correct'] for r in g) / asked:.1%}" if asked else "-"
+
+        lines.append(f"| {task} | {len(group)} | {len(ok)} | {sum(r['harmed'] for r in ok)} | "
+                     f"{sum(r['harmed'] for r in bad)} | {acc(ok)} | {acc(bad)} |")
     lines += ["", "Best threshold of each statistic by Youden's J (harmed = positive):", "",
               "| statistic | threshold | J | true-positive rate | false-positive rate |",
               "|---|---|---|---|---|"]
-    for stat in SELFCHECK_STATISTICS:
+    for stat in statistics:
         t, j, tpr, fpr = best_threshold([r["stats"][stat] for r in rows], harmed)
         lines.append(f"| {stat} | {t:.3f} | {j:.3f} | {tpr:.3f} | {fpr:.3f} |")
-    for stat in SELFCHECK_STATISTICS:
+    for stat in statistics:
         values = [r["stats"][stat] for r in rows]
         grid = quantiles(values, [0.5, 0.75, 0.9, 0.95, 0.99])
         lines += ["", f"**{stat}** (thresholds at its 50/75/90/95/99th percentile)", "",

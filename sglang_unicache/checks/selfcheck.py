@@ -180,12 +180,12 @@ class SelfCheck:
     """The §7.1 check, built from the config's ``selfcheck_*`` fields: ``statistic`` (one of
     ``STATISTICS``, default "kl"), ``threshold`` (fails above it, default 0.9), ``layers`` (the
     last layers checked, default 2) and ``content_threshold`` (``content_lost`` fails above it,
-    default 0.3; 1 turns that half of the check off)."""
+    default 0.15; 1 turns that half of the check off)."""
 
     statistic: str = "kl"
     threshold: float = 0.9
     layers: int = 2
-    content_threshold: float = 0.3
+    content_threshold: float = 0.15
 
     def unchecked(self, layers: tuple[int, ...] = ()) -> SelfCheckResult:
         """The passing result of a check that saw nothing (identity plan, no valid query)."""

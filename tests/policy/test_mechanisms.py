@@ -352,7 +352,7 @@ def _content_inputs(objects: int) -> ScoreInputs:
     layers, t, h, d = 2, 72, 2, 8
     k = 0.05 * torch.randn(layers, t, h, d, generator=g)
     k[:, :, :, 1] += 1.0
-    v = 0.05 * torch.randn(layers, t, h, d, generator=g)
+    v = 1.0 + 0.01 * torch.randn(layers, t, h, d, generator=g)  # a plain background colour
     marks = [4 + (60 * i) // objects for i in range(objects)]
     v[:, marks] += 3.0 * torch.randn(layers, objects, h, d, generator=g)
     k[:, marks, :, 1] = 0.0
