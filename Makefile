@@ -43,6 +43,7 @@ bench: setup
 # machine; then the tables, target checks and plots.
 # Results: runs/quality.json, runs/quality-qw.json, runs/quality.md, docs/img/quality-*.png.
 QUALITY_MODEL ?= assets/checkpoints/tiny-vqa-qwen2-vl
+GRID_MODEL ?= assets/checkpoints/tiny-grid-qwen2-vl
 quality: setup
 	$(VENV)/bin/pip install -q -e '.[test,bench]'
 	$(PY) -m benchmarks.quality.eval_serving --model $(QUALITY_MODEL) \
@@ -57,13 +58,20 @@ quality: setup
 		--label=-shipped --out runs/quality-shipped.json
 	$(PY) -m benchmarks.quality.report runs/quality.json runs/quality-qw.json \
 		runs/quality-shipped.json --plot-dir docs/img --markdown runs/quality.md
+	$(PY) -m benchmarks.quality.eval_serving --model $(GRID_MODEL) --methods full,unicache \
+		--ratios 0.1 --settings reuse,long --images 16 --questions 4 --selfcheck on \
+		--label=-shipped --out runs/grid-shipped.json
 
 # What the self-check predicts (issue 13, docs/selfcheck.md): every statistic recorded per image
-# for every method at keep 5/10/25% in the reuse setting, against harm to later answers.
-# 22 server starts, ~45 minutes on the quiet 2-core machine.
+# for every method at keep 5/10/25% in the reuse setting, against harm to later answers, then
+# the grid model (the second task) at keep 10/20/40%. 29 server starts, ~55 minutes on the quiet
+# 2-core machine.
 selfcheck-study: setup
 	$(PY) -m benchmarks.quality.eval_serving --model $(QUALITY_MODEL) \
 		--methods full,unicache,aircache,snapkv,h2o,pyramidkv,knorm,random --ratios 0.05,0.1,0.25 \
 		--settings reuse --images 30 --selfcheck record --out runs/selfcheck-study.json
+	$(PY) -m benchmarks.quality.eval_serving --model $(GRID_MODEL) --methods full,unicache,snapkv \
+		--ratios 0.1,0.2,0.4 --settings reuse --images 16 --questions 4 --selfcheck record \
+		--out runs/selfcheck-study-grid.json
 	$(PY) -m benchmarks.quality.selfcheck_study runs/selfcheck-study.json \
-		--markdown runs/selfcheck-study.md
+		runs/selfcheck-study-grid.json --markdown runs/selfcheck-study.md
