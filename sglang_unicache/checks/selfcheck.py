@@ -164,13 +164,17 @@ def content_lost(ctx, plans: list[CompressionPlan]) -> Tensor | None:
     plans = [p for p in plans if not p.skipped]
     if not plans:
         return None
-    values = ctx.values(CONTENT_LAYER)
     worst = []
     for p in plans:
-        v = values[p.span.start : p.span.end].float().transpose(0, 1)  # [H, N, D]
-        content = (v - v.median(dim=1, keepdim=True).values).norm(dim=-1)  # [H, N]
+        def compute(start=p.span.start, end=p.span.end) -> tuple[Tensor, Tensor]:
+            v = ctx.values(CONTENT_LAYER)[start:end].float().transpose(0, 1)  # [H, N, D]
+            content = (v - v.median(dim=1, keepdim=True).values).norm(dim=-1)  # [H, N]
+            return content, v.norm(dim=-1).sum(-1).clamp_min(1e-30)
+
+        # per span, once per Method.plan: an escalation changes only what is kept
+        content, total = ctx.cached(f"content {p.span.start}", CONTENT_LAYER, compute)
         kept = content.gather(1, p.layers[CONTENT_LAYER].kept.long()).sum(-1)
-        lost = ((content.sum(-1) - kept) / v.norm(dim=-1).sum(-1).clamp_min(1e-30)).clamp_max(1.0)
+        lost = ((content.sum(-1) - kept) / total).clamp_max(1.0)  # [H]
         worst.append(ctx.shards.mean(lost.unsqueeze(-1))[0])
     return torch.stack(worst).amax()
 
@@ -208,6 +212,6 @@ class SelfCheck:
             passed = value <= self.threshold
         else:  # no query sees the spans: only the question-free half decides
             stats = {"content_lost": float(content)}
-            value, passed = 0.0, True
+            value, passed = stats.get(self.statistic, 0.0), True
         passed = passed and stats["content_lost"] <= self.content_threshold
         return SelfCheckResult(self.statistic, value, self.threshold, layers, True, passed, stats)
