@@ -22,8 +22,10 @@ from typing import Any
 QUANTIZATIONS = ("off", "int8", "int4")
 LAYER_FILLS = ("none", "next")
 MODALITY_ALLOCATIONS = ("density", "fixed")
-SELFCHECK_STATISTICS = ("kl", "kl_head", "image_mass_lost", "output_error", "key_coverage",
-                        "content_lost")
+# The self-check's statistics (checks/selfcheck.py): those over the observation queries, in the
+# order layer_stats computes them, then the question-free one.
+SELFCHECK_QUERY_STATISTICS = ("kl", "kl_head", "image_mass_lost", "output_error", "key_coverage")
+SELFCHECK_STATISTICS = (*SELFCHECK_QUERY_STATISTICS, "content_lost")
 
 # Seed §8.2 scenario presets, as overrides of the §8.1 defaults. keep_ratio is never changed by a
 # preset: it is the user's explicit request (see module docstring).

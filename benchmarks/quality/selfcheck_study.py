@@ -52,18 +52,20 @@ def records(results: list[dict], ratios: set[float] | None) -> list[dict]:
     return rows
 
 
+def accuracy(group: list[dict]) -> float:
+    """Share of the later questions of ``group``'s images answered right (nan for none)."""
+    asked = sum(r["asked"] for r in group)
+    return sum(r["correct"] for r in group) / asked if asked else float("nan")
+
+
 def threshold_table(rows: list[dict], stat: str, thresholds: list[float]) -> list[dict]:
     out = []
     for t in thresholds:
         passing = [r for r in rows if r["stats"][stat] <= t]
         failing = [r for r in rows if r["stats"][stat] > t]
 
-        def acc(group: list[dict]) -> float:
-            asked = sum(r["asked"] for r in group)
-            return sum(r["correct"] for r in group) / asked if asked else float("nan")
-
         out.append({"threshold": t, "pass_share": len(passing) / len(rows),
-                    "acc_pass": acc(passing), "acc_fail": acc(failing),
+                    "acc_pass": accuracy(passing), "acc_fail": accuracy(failing),
                     "harmed_pass": sum(r["harmed"] for r in passing),
                     "harmed_fail": sum(r["harmed"] for r in failing)})
     return out
@@ -121,10 +123,9 @@ def main() -> None:
         p50, p90 = quantiles([r["stats"]["kl"] for r in group], [0.5, 0.9])
         top = max(r["stats"]["kl"] for r in group)
         content = [r["stats"].get("content_lost", float("nan")) for r in group]
-        acc = sum(r["correct"] for r in group) / sum(r["asked"] for r in group)
         lines.append(f"| {task} | {method} | {keep} | {len(group)} | {p50:.2f} | {p90:.2f} | "
                      f"{top:.2f} | {min(content):.3f} | {max(content):.3f} | "
-                     f"{sum(r['harmed'] for r in group)} | {acc:.1%} |")
+                     f"{sum(r['harmed'] for r in group)} | {accuracy(group):.1%} |")
     shipped = UniCacheConfig()
     kl_max, content_max = shipped.selfcheck_threshold, shipped.selfcheck_content_threshold
     lines += ["", f"The shipped verdict (pass: kl <= {kl_max} and content_lost <= {content_max}) "
@@ -133,16 +134,13 @@ def main() -> None:
               " passing | failing |", "|---|---|---|---|---|---|---|"]
     for task in sorted({r["task"] for r in rows}):
         group = [r for r in rows if r["task"] == task and "content_lost" in r["stats"]]
-        ok = [r for r in group
-              if r["stats"]["kl"] <= kl_max and r["stats"]["content_lost"] <= content_max]
-        bad = [r for r in group if r not in ok]
-
-        def acc(g: list[dict]) -> str:
-            asked = sum(r["asked"] for r in g)
-            return f"{sum(r['correct'] for r in g) / asked:.1%}" if asked else "-"
-
+        passes = [r["stats"]["kl"] <= kl_max and r["stats"]["content_lost"] <= content_max
+                  for r in group]
+        ok = [r for r, p in zip(group, passes, strict=True) if p]
+        bad = [r for r, p in zip(group, passes, strict=True) if not p]
         lines.append(f"| {task} | {len(group)} | {len(ok)} | {sum(r['harmed'] for r in ok)} | "
-                     f"{sum(r['harmed'] for r in bad)} | {acc(ok)} | {acc(bad)} |")
+                     f"{sum(r['harmed'] for r in bad)} | "
+                     + " | ".join(f"{accuracy(g):.1%}" if g else "-" for g in (ok, bad)) + " |")
     lines += ["", "Best threshold of each statistic by Youden's J (harmed = positive):", "",
               "| statistic | threshold | J | true-positive rate | false-positive rate |",
               "|---|---|---|---|---|"]

@@ -59,14 +59,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import SELFCHECK_STATISTICS
+from ..config import SELFCHECK_QUERY_STATISTICS, SELFCHECK_STATISTICS
 from ..executor import execute_layer
 from ..kernels.reference import _logits, window_attend
 from ..plans import CompressionPlan, SelfCheckResult
 
 Tensor = torch.Tensor
 
-STATISTICS = SELFCHECK_STATISTICS[:-1]  # the order of layer_stats' output (then content_lost)
+STATISTICS = SELFCHECK_QUERY_STATISTICS  # the order of layer_stats' output
 CONTENT_LAYER = 0  # content_lost reads the first layer: the image as the vision encoder gave it
 
 
@@ -182,9 +182,9 @@ def content_lost(ctx, plans: list[CompressionPlan]) -> Tensor | None:
 @dataclass(frozen=True)
 class SelfCheck:
     """The §7.1 check, built from the config's ``selfcheck_*`` fields: ``statistic`` (one of
-    ``STATISTICS``, default "kl"), ``threshold`` (fails above it, default 0.9), ``layers`` (the
-    last layers checked, default 2) and ``content_threshold`` (``content_lost`` fails above it,
-    default 0.15; 1 turns that half of the check off)."""
+    ``SELFCHECK_STATISTICS``, default "kl"), ``threshold`` (fails above it, default 0.9),
+    ``layers`` (the last layers checked, default 2) and ``content_threshold`` (``content_lost``
+    fails above it, default 0.15; 1 turns that half of the check off)."""
 
     statistic: str = "kl"
     threshold: float = 0.9
