@@ -105,7 +105,8 @@ def report(full: dict, compressed: dict, keep: str, image_tokens: int) -> None:
     cfg = stats["config"]
     print(f"\neffective config (with --unicache): method {cfg['method']}, keep_ratio "
           f"{cfg['keep_ratio']}, self-check {cfg['selfcheck_statistic']} <= "
-          f"{cfg['selfcheck_threshold']} (on: {cfg['selfcheck']}), escalating up to keep "
+          f"{cfg['selfcheck_threshold']} and content_lost <= "
+          f"{cfg['selfcheck_content_threshold']} (on: {cfg['selfcheck']}), escalating up to keep "
           f"{cfg['escalate_max_keep']}; every key: docs/configuration.md")
     images = len({r["image"] for r in full["rows"]})
     done = stats["images_compressed"]
