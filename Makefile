@@ -29,9 +29,12 @@ lint: setup
 format: setup
 	$(VENV)/bin/ruff format sglang_unicache tests benchmarks examples tools
 
-# Measured on a fresh clone, quiet 2-core machine: 19.8 minutes in all (setup 5 min, perf.py 16 min:
-# all six parts against stock SGLang, 22 server starts; bench_policy.py 1 min). Results:
-# runs/perf.json, logs runs/perf-logs. Do not run it beside other jobs: see BENCHMARKS.md.
+# Session 3 measured 19.8 minutes on a fresh clone (setup 5 min, perf.py 16 min, bench_policy.py
+# 1 min). perf.py's default parts have grown since, and the whole was not timed again: the
+# shipped rows, the decode part (10 min, session 8), capacity over 400 images on two models
+# (22 min, session 10), the workload on a larger model (8 min). Results: runs/perf.json, logs
+# runs/perf-logs.
+# Do not run it beside other jobs: see BENCHMARKS.md.
 bench: setup
 	$(PY) -m benchmarks.perf --out runs/perf.json
 	$(PY) -m benchmarks.bench_policy --reps 2 --dtype bf16

@@ -6,14 +6,15 @@ estimated.
 
 1. memory: KV slots (and bytes) one cached image holds in the tree, per keep ratio, vs stock.
 2. capacity: distinct images still resident in a pool sized for ~8 uncompressed images, after a
-   stream of distinct images.
+   stream of distinct images (``capacity-trained``: the same on the bundled trained model).
 5. overhead: time from prefill end to compressed cache (score capture + policy + compaction) as a
    share of the prefill forward, per method.
 
-3, 4 and 6 (workload, decode, concurrency: the serving workload) are in ``perf_workload.py``.
+3, 4 and 6 (workload, decode, concurrency: the serving workload) are in ``perf_workload.py``;
+``workload-large`` runs part 3 on a model where prefill costs (``WORKLOAD_MODEL``, issue 16).
 
-    python -m benchmarks.perf --out runs/perf.json          # all parts: 16 minutes, 2 quiet cores
-    python -m benchmarks.perf --parts memory,capacity,overhead   # ~7 minutes
+    python -m benchmarks.perf --out runs/perf.json          # the default parts (see Makefile)
+    python -m benchmarks.perf --parts capacity,capacity-trained  # 22 minutes (session 10)
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from tests.support.server import start_server
 from tests.support.tiny_vlm import build_tiny_qwen2_vl
 
 IMAGE_SIZE = 448  # 256 visual tokens per image
+TRAINED_MODEL = Path(__file__).parents[1] / "assets/checkpoints/tiny-vqa-qwen2-vl"
 # The decode part reads 8 x 4,100 tokens of KV per step. On the 2-layer, 64-wide model that is
 # 256 bytes a token, so the step is all fixed cost; this one holds 2 KB a token (a 7B model holds
 # ~57 KB), enough that reading the KV is a visible share of a CPU decode step. 896 px = 1,024
@@ -45,10 +47,15 @@ DECODE_MODEL = {"hidden": 256, "layers": 4, "image_size": 896, "context": 8192}
 # The streaming part (issue 19): long visual context on a model where prefill costs, hidden 512,
 # 8 layers, 1,024 visual tokens an image, 4 images a request.
 STREAMING_MODEL = {"hidden": 512, "layers": 8, "image_size": 896, "context": 20480}
+# The workload on a model where prefill costs (issue 16): the multi-turn part's 256-token images
+# on the streaming part's width and depth, so a turn's image prefill is seconds on this CPU, far
+# more than the request's fixed path (HTTP, template, image processor), as on a real model.
+WORKLOAD_MODEL = {"hidden": 512, "layers": 8, "image_size": IMAGE_SIZE, "context": 8192}
 
 
-def image(i: int) -> bytes:
-    return solid_png(((37 * i) % 256, (91 * i) % 256, (53 * i + 7) % 256), size=IMAGE_SIZE)
+def image(i: int, size: int = IMAGE_SIZE) -> bytes:
+    """Picture ``i``: one colour, ``(size / 28) ** 2`` visual tokens."""
+    return solid_png(((37 * i) % 256, (91 * i) % 256, (53 * i + 7) % 256), size=size)
 
 
 def slot_bytes(model: Path, element: int = 2) -> int:
@@ -110,28 +117,36 @@ def memory_per_image(model: Path, config: Path, ratios: list[float], log_dir: Pa
     return rows
 
 
-def capacity(model: Path, config: Path, ratio: float, stream: int, log_dir: Path) -> list[dict]:
+def ask(server, i: int, size: int = IMAGE_SIZE) -> dict:
+    """One question about picture ``i``, one output token (the tree keeps the prompt only)."""
+    return chat(server, image_chat(image(i, size), "what colour is it?", max_tokens=1))
+
+
+def capacity(model: Path, config: Path, ratio: float, stream: int, log_dir: Path,
+             size: int = IMAGE_SIZE) -> list[dict]:
     """Images still reusable (>= 16 prompt tokens cached) after a stream of distinct images, in a
-    pool sized for 8 uncompressed ones: stock, the plugin with re-compression off (a full pool
-    evicts whole images) and on (the default: the oldest images shrink first)."""
-    pool = 8 * (256 + 24)
+    pool sized for 8 uncompressed images with their text: stock, the plugin with re-compression
+    off (a full pool evicts whole images) and on (the default: every cached image is halved once
+    before any is halved twice), and the defaults as shipped."""
+    pool = 8 * ((size // 28) ** 2 + 24)
     no_recompress = config.with_name("policy-no-recompress.json")
     no_recompress.write_text(json.dumps({**json.loads(config.read_text()), "recompress": False}))
     servers = [("stock", flags_for(None, ratio, config)),
                (f"unicache keep {ratio}, re-compression off",
                 flags_for("knorm", ratio, no_recompress)),
-               (f"unicache keep {ratio}", flags_for("knorm", ratio, config))]
+               (f"unicache keep {ratio}", flags_for("knorm", ratio, config)),
+               *SHIPPED_ROW.items()]
     rows = []
     for name, flags in servers:
         server = start_server(model, flags + ["--max-total-tokens", str(pool)],
                               log_dir / "capacity.log")
         try:
             for i in range(stream):
-                chat(server, image_chat(image(100 + i), "what colour is it?", max_tokens=1))
+                ask(server, 100 + i, size)
             shrunk = (internal_state(server).get("unicache") or {}).get("spans_recompressed", 0)
             resident = 0
             for i in reversed(range(stream)):  # newest first: a hit refreshes only itself
-                out = chat(server, image_chat(image(100 + i), "what colour is it?", max_tokens=1))
+                out = ask(server, 100 + i, size)
                 if out["usage"]["prompt_tokens_details"]["cached_tokens"] < 16:
                     break
                 resident += 1
@@ -174,8 +189,10 @@ def main() -> None:
                              "see DECODE_MODEL)")
     parser.add_argument("--ratios", default="0.05,0.1,0.25,0.5")
     parser.add_argument("--methods", default="knorm,snapkv,h2o,pyramidkv,aircache,unicache")
-    parser.add_argument("--stream", type=int, default=80)
-    parser.add_argument("--parts", default="memory,capacity,overhead,workload,decode,concurrency")
+    parser.add_argument("--stream", type=int, default=400,
+                        help="capacity: distinct images streamed")
+    parser.add_argument("--parts", default="memory,capacity,capacity-trained,overhead,workload,"
+                        "workload-large,decode,concurrency")
     parser.add_argument("--method", default="knorm", help="plugin method of the workload parts")
     parser.add_argument("--images", type=int, default=24, help="workload: distinct images")
     parser.add_argument("--conversations", type=int, default=48, help="workload: conversations")
@@ -183,6 +200,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8, help="workload: concurrent clients")
     parser.add_argument("--decode-batch", type=int, default=8, help="decode: concurrent requests")
     parser.add_argument("--max-batch", type=int, default=64, help="concurrency: largest b tried")
+    parser.add_argument("--workload-model", help="checkpoint of the workload-large part "
+                        "(default: a random Qwen2-VL, see WORKLOAD_MODEL)")
     parser.add_argument("--streaming-model", help="checkpoint of the streaming part (default: a "
                         "random Qwen2-VL, see STREAMING_MODEL)")
     parser.add_argument("--streaming-methods", default="all",
@@ -204,6 +223,9 @@ def main() -> None:
                                              [float(r) for r in args.ratios.split(",")], log_dir)
     if "capacity" in parts:
         results["capacity"] = capacity(model, config, 0.1, args.stream, log_dir)
+    if "capacity-trained" in parts:  # the same on the bundled trained model (64-token images)
+        results["capacity-trained"] = capacity(TRAINED_MODEL, config, 0.1, args.stream, log_dir,
+                                               size=224)
     if "overhead" in parts:
         results["overhead"] = overhead(model, config, args.methods.split(","), 0.1, log_dir)
     servers = {"stock": flags_for(None, 0.1, config),
@@ -212,6 +234,13 @@ def main() -> None:
         results["workload"] = workload(model, servers, log_dir, images=args.images,
                                        conversations=args.conversations, turns=args.turns,
                                        concurrency=args.clients)
+    if "workload-large" in parts:
+        large = Path(args.workload_model) if args.workload_model else build_tiny_qwen2_vl(
+            work / "tiny-qwen2-vl-workload", **WORKLOAD_MODEL)
+        results["workload-large"] = workload(large, {**servers, **SHIPPED_ROW}, log_dir,
+                                             images=args.images,
+                                             conversations=args.conversations,
+                                             turns=args.turns, concurrency=args.clients)
     if "decode" in parts:
         decode_model = Path(args.decode_model) if args.decode_model else build_tiny_qwen2_vl(
             work / "tiny-qwen2-vl-decode", **DECODE_MODEL)
