@@ -82,6 +82,11 @@ def flags_for(method: str | None, ratio: float, config: Path) -> list[str]:
             "--unicache-config", str(config), "--enable-cache-report"]
 
 
+def ask(server, i: int, size: int = IMAGE_SIZE) -> dict:
+    """One question about picture ``i``, one output token (the tree keeps the prompt only)."""
+    return chat(server, image_chat(image(i, size), "what colour is it?", max_tokens=1))
+
+
 def memory_per_image(model: Path, config: Path, ratios: list[float], log_dir: Path) -> list[dict]:
     rows = []
     servers = [("stock", flags_for(None, 1.0, config))]
@@ -98,8 +103,7 @@ def memory_per_image(model: Path, config: Path, ratios: list[float], log_dir: Pa
             for i in range(3):
                 flush_cache(server)
                 before = available_slots(server)
-                out = chat(server, image_chat(image(i), "what colour is it?", max_tokens=1))
-                # The tree keeps the prompt; with max_tokens=1 no output token has KV.
+                out = ask(server, i)  # the tree keeps the prompt: no output token has KV
                 text = out["usage"]["prompt_tokens"] - 256
                 held.append(before - available_slots(server) - text)
             stats = internal_state(server).get("unicache") or {}
@@ -115,11 +119,6 @@ def memory_per_image(model: Path, config: Path, ratios: list[float], log_dir: Pa
         row["ratio_vs_stock"] = round(row["image_slots"] / stock, 3)
         row["bytes_vs_stock_bf16"] = round(row["bytes"] / (stock * slot_bytes(model)), 3)
     return rows
-
-
-def ask(server, i: int, size: int = IMAGE_SIZE) -> dict:
-    """One question about picture ``i``, one output token (the tree keeps the prompt only)."""
-    return chat(server, image_chat(image(i, size), "what colour is it?", max_tokens=1))
 
 
 def capacity(model: Path, config: Path, ratio: float, stream: int, log_dir: Path,

@@ -59,14 +59,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import SELFCHECK_QUERY_STATISTICS, SELFCHECK_STATISTICS
+from ..config import SELFCHECK_STATISTICS
 from ..executor import execute_layer
 from ..kernels.reference import _logits, window_attend
 from ..plans import CompressionPlan, SelfCheckResult
 
 Tensor = torch.Tensor
 
-STATISTICS = SELFCHECK_QUERY_STATISTICS  # the order of layer_stats' output
 CONTENT_LAYER = 0  # content_lost reads the first layer: the image as the vision encoder gave it
 
 
@@ -105,7 +104,8 @@ def _reference(ctx, layer: int, spans: tuple) -> dict | None:
 
 
 def layer_stats(ctx, layer: int, plans: list[CompressionPlan]) -> Tensor | None:
-    """``[len(STATISTICS)]`` statistics of one layer, or None (no valid observation query)."""
+    """One layer's statistics, in the order of config's ``SELFCHECK_QUERY_STATISTICS``, or None
+    (no valid observation query)."""
     inp = ctx.inputs
     plans = [p for p in plans if not p.skipped]
     if not plans:
