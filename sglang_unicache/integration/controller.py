@@ -435,9 +435,11 @@ class Controller:
         while candidates:
             record = rewrite(req, candidates)
             match()
+            # A span HiCache holds only in host memory counts: admission loads it back.
+            matched = req.prefix_len + getattr(req, "host_hit_length", 0)
             removed_before, covered = 0, []
             for span in candidates:
-                if req.prefix_len >= span.start - removed_before + len(span.ids):
+                if matched >= span.start - removed_before + len(span.ids):
                     covered.append(span)
                 removed_before += span.removed
             if covered == candidates:
@@ -464,7 +466,8 @@ class Controller:
 
     def gauges(self) -> dict[str, float]:
         held = self.tree.compressed_slots_held() if self.tree is not None else 0
-        return {"compressed_slots_held": held}
+        host = self.tree.host.spans if self.tree is not None else 0
+        return {"compressed_slots_held": held, "spans_on_host": host}
 
     def publish(self) -> None:
         """Counters and gauges to ``/metrics`` (with ``--enable-metrics``)."""
@@ -473,9 +476,12 @@ class Controller:
 
     def counters(self) -> dict[str, float]:
         shrunk = self.tree.recompressed if self.tree is not None else None
+        host = self.tree.host if self.tree is not None else None
         return {**self.stats.to_dict(),
                 "spans_recompressed": shrunk.spans if shrunk else 0,
-                "recompress_slots_freed": shrunk.slots_freed if shrunk else 0}
+                "recompress_slots_freed": shrunk.slots_freed if shrunk else 0,
+                "spans_loaded_back": host.loaded_back if host else 0,
+                "load_back_waits": host.load_back_waits if host else 0}
 
     def snapshot(self) -> dict:
         return {"dp_rank": self.dp_rank, **self.counters(), **self.gauges(),

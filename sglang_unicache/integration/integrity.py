@@ -7,8 +7,9 @@ Every KV slot of the pool is in exactly one place:
     request  a live request's row past what the tree holds (its own, not yet in the tree)
 
 No slot is in two places and their sum is the pool size (nothing leaked, nothing freed twice).
-Every compressed span's metadata is attached to a live tree node whose key holds the span's
-ids, and the image index (what later requests are rewritten to) names only such spans.
+Every compressed span's metadata is attached to a live tree node (on the device, or only in
+HiCache's host tier) whose key holds the span's ids, and the image index (what later requests
+are rewritten to) names only such spans.
 
 It returns the violations as one-line strings (empty when all hold) so that a test can assert on
 them through ``/server_info`` and a server keeps running when one is found.
@@ -93,7 +94,7 @@ def _check_spans(tree) -> list[str]:
             continue
         ids = list(node.key.raw_token_ids())
         for first, meta in spans.items():
-            if node.component(FULL).value is None:
+            if node.component(FULL).value is None and not node.backuped:
                 errors.append(f"span {first} attached to an evicted node")
             at = ids.index(first) if first in ids else -1
             if at < 0 or ids[at:at + meta.count] != list(meta.ids):
@@ -102,6 +103,9 @@ def _check_spans(tree) -> list[str]:
     if tree.compressed_slots_held() != tree.count_held():
         errors.append(f"compressed_slots_held {tree.compressed_slots_held()} != the "
                       f"{tree.count_held()} the nodes' spans hold")
+    if tree.host.spans != tree.count_on_host():
+        errors.append(f"spans_on_host {tree.host.spans} != the {tree.count_on_host()} host-only "
+                      "nodes' spans")
     stale = [m for m in tree.spans.by_image.values() if id(m) not in attached]
     if stale:
         errors.append(f"{len(stale)} indexed span(s) belong to no tree node")

@@ -21,9 +21,12 @@ COUNTERS = {
     "skipped_cached": "Images left uncompressed because part of them came from the tree",
     "spans_recompressed": "Cached compressed spans shrunk under memory pressure instead of evicted",
     "recompress_slots_freed": "KV slots returned to the allocator by re-compression",
+    "spans_loaded_back": "Compressed spans loaded back from HiCache's host tier for a request",
+    "load_back_waits": "Rounds a request with compressed spans on the host waited for room",
 }
 GAUGES = {
     "compressed_slots_held": "KV slots the radix tree's compressed image spans hold now",
+    "spans_on_host": "Compressed image spans held only in HiCache's host tier now",
 }
 
 

@@ -18,6 +18,12 @@ automatically with ``--unicache``. It differs from the default cache in three wa
 
 A request using a span locks its node, so a span is never re-compressed under a running request.
 
+With HiCache (``--enable-hierarchical-cache``) a span node is backed up to host memory like any
+node; under pressure a backed-up leaf is demoted (its device slots freed, the exact host copy
+kept) rather than re-compressed, so the host copy is never stale, and a later request about the
+image loads it back (``init_load_back``). Its metadata stays with the host-only node
+(``SpanTreeCore`` reports every move) and dies only when the host tier evicts the node.
+
 The scheduler side (``controller.py``) talks to it through a narrow protocol: it configures it
 once (``enable_spans`` with ``SpanSettings``), looks spans up by image (``spans.of_image``) and
 reads counters (``held``, ``recompressed``); the cache reads nothing of the controller.
@@ -81,8 +87,57 @@ def _span_offsets(node) -> list[tuple[int, SpanMeta]]:
     return found
 
 
+def _device_spans(node) -> list[SpanMeta]:
+    """The spans a node holds in device slots now (none while it is evicted or host-only)."""
+    if node.component(FULL).value is None:
+        return []
+    return list(spans_of(node).values())
+
+
 class SpanTreeCore(UnifiedTreeCore):
-    """The Python tree core, keeping span metadata with the node that holds the span."""
+    """The Python tree core, keeping span metadata with the node that holds the span.
+
+    Every change of where a span node's KV lives goes through four methods of the core, which
+    report it to ``owner`` (the radix cache, once ``enable_spans`` ran):
+
+    - the device copy freed by demotion to HiCache's host tier (``_cascade_evict``, which
+      clears the node's device value);
+    - the device copy back, by a load from the host tier (``commit_load_back``) or an insert
+      over a host-only node (``_unevict_node_on_insert``);
+    - the node leaving the tree (``_unregister_node``): its metadata and index entry go with it,
+      and its device slots, which a deleted leaf's value still names, stop counting.
+
+    A host-only node keeps its metadata, so a later request still finds the span and loads it
+    back.
+    """
+
+    owner = None
+
+    def _cascade_evict(self, node, *args, **kwargs):
+        before = _device_spans(node)
+        result = super()._cascade_evict(node, *args, **kwargs)
+        if before and self.owner is not None and node.component(FULL).value is None:
+            self.owner.spans_left_device(node, before)
+        return result
+
+    def commit_load_back(self, node_id, device_indices, kv_xfer, comp_xfers):
+        nodes = [self.node_by_id(n) for n in kv_xfer.nodes_to_load or ()]
+        off = [node for node in nodes if node.component(FULL).value is None]
+        actions = super().commit_load_back(node_id, device_indices, kv_xfer, comp_xfers)
+        if self.owner is not None:
+            for node in off:
+                self.owner.spans_entered_device(node, loaded=True)
+        return actions
+
+    def _unevict_node_on_insert(self, node, fresh_value, session_id=None):
+        super()._unevict_node_on_insert(node, fresh_value, session_id)
+        if self.owner is not None:
+            self.owner.spans_entered_device(node, loaded=False)
+
+    def _unregister_node(self, node):
+        super()._unregister_node(node)
+        if self.owner is not None and spans_of(node):
+            self.owner.spans_removed(node)
 
     def _split_node(self, key, child, split_len):
         found = _span_offsets(child)
@@ -123,16 +178,88 @@ class Recompressed:
     slots_freed: int = 0
 
 
+@dataclass
+class HostTier:
+    """Compressed spans in HiCache's host tier (``--enable-hierarchical-cache``)."""
+
+    spans: int = 0  # held only in host memory now
+    loaded_back: int = 0  # loaded onto the device for a later request
+    load_back_waits: int = 0  # rounds a request waited for room to load its spans
+
+
 class CompressedRadixCache(UnifiedRadixCache):
     settings: SpanSettings | None = None  # None until ``enable_spans``: a plain radix cache
     spans: SpanIndex
     held = 0  # slots the attached compressed spans hold (kept as they change: read per round)
     recompressed: Recompressed
+    host: HostTier
 
     def enable_spans(self, settings: SpanSettings) -> None:
         self.settings = settings
         self.spans = SpanIndex()
         self.recompressed = Recompressed()
+        self.host = HostTier()
+        self.tree_core.owner = self
+
+    # -- where a span's KV lives (reported by ``SpanTreeCore``) ------------------------------------
+    def spans_left_device(self, node, metas: list[SpanMeta]) -> None:
+        """Node ``node`` lost its device copy of ``metas``; it is host-only if backed up."""
+        self.held -= sum(meta.count for meta in metas)
+        if node.backuped:
+            self.host.spans += len(metas)
+
+    def spans_entered_device(self, node, *, loaded: bool) -> None:
+        """Host-only node ``node`` has a device copy again (``loaded``: from the host tier)."""
+        metas = _device_spans(node)
+        self.held += sum(meta.count for meta in metas)
+        self.host.spans -= len(metas)
+        if loaded:
+            self.host.loaded_back += len(metas)
+
+    def spans_removed(self, node) -> None:
+        """A node left the tree: its spans die with it, from the device or from the host."""
+        metas = list(spans_of(node).values())
+        if node.component(FULL).value is not None:
+            self.held -= sum(meta.count for meta in metas)
+        else:
+            self.host.spans -= len(metas)
+        for meta in metas:
+            self.spans.discard(meta)
+
+    def count_on_host(self) -> int:
+        """``host.spans`` recounted from every node (what ``check_integrity`` compares it with)."""
+        return sum(len(spans_of(node)) for node in self.tree_core._node_arena.values()
+                   if node.component(FULL).value is None and node.backuped)
+
+    def init_load_back(self, params):
+        """HiCache's load of a host hit onto the device, for a request whose ids name
+        compressed spans in the host part of its match: such a request cannot fall back to
+        prefilling those tokens (they are ids of kept entries, not of the image), so the load
+        is not skipped for being small (SGLang's ``load_back_threshold``), and when it fails
+        (no room yet) the request waits in the queue, as for memory (``host.load_back_waits``),
+        instead of being admitted without it."""
+        req = params.req
+        if self.settings is None or params.host_hit_length <= 0 or req is None \
+                or not self._host_spans(params.best_match_node, req.last_node):
+            return super().init_load_back(params)
+        threshold, self.load_back_threshold = self.load_back_threshold, 1
+        try:
+            loaded = super().init_load_back(params)
+        finally:
+            self.load_back_threshold = threshold
+        if loaded is not None and loaded[0] == 0:
+            self.host.load_back_waits += 1
+            return None
+        return loaded
+
+    def _host_spans(self, best_node_id, device_node_id) -> bool:
+        """Whether a node between the match's last device node and its best node holds spans."""
+        node = self.tree_core.node_by_id(best_node_id)
+        while node is not None and node.parent is not None and node.id != device_node_id:
+            if spans_of(node):
+                return True
+            node = node.parent
+        return False
 
     def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:
         super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
@@ -191,23 +318,17 @@ class CompressedRadixCache(UnifiedRadixCache):
         self.held = 0
         if self.settings is not None:
             self.spans.clear()
+            self.host.spans = 0
 
     def _evict_device_leaf(self, node_id, tracker):
-        if self.settings is None:
-            return super()._evict_device_leaf(node_id, tracker)
-        node = self.tree_core.node_by_id(node_id)
-        if self.settings.recompress:
+        if self.settings is not None and self.settings.recompress:
+            node = self.tree_core.node_by_id(node_id)
             freed = self._shrink_leaf(node)
             if freed:
                 tracker[FULL] = tracker.get(FULL, 0) + freed
                 self._requeue(node)
                 return None
-        spans = list(spans_of(node).values())
-        result = super()._evict_device_leaf(node_id, tracker)
-        for meta in spans:  # span metadata dies with its node
-            self.held -= meta.count
-            self.spans.discard(meta)
-        return result
+        return super()._evict_device_leaf(node_id, tracker)  # the tree core reports the spans
 
     def _requeue(self, node) -> None:
         """A shrunk leaf is still a leaf: it goes back into the running eviction walk (or the
@@ -279,8 +400,7 @@ class CompressedRadixCache(UnifiedRadixCache):
 
 
 def _factory(ctx: TreeCacheBuildContext):
-    if ctx.disable_radix_cache or ctx.enable_hierarchical_cache or ctx.is_hybrid_swa \
-            or ctx.is_hybrid_ssm:
+    if ctx.disable_radix_cache or ctx.is_hybrid_swa or ctx.is_hybrid_ssm:
         return default_radix_cache_factory(ctx)
     ctx = replace(ctx, params=replace(ctx.params, tree_core_backend=BACKEND))
     return create_unified_radix_cache(ctx, cache_class=CompressedRadixCache)

@@ -45,7 +45,9 @@ def unsupported_server_args(args: Any) -> str | None:
         return "--enable-mixed-chunk: mixed prefill/decode batches are not supported with " \
                "--unicache (images in them would never be compressed)"
     if getattr(args, "enable_hierarchical_cache", False):
-        return "--enable-hierarchical-cache: HiCache is not supported with --unicache"
+        refused = _unsupported_hicache(args)
+        if refused:
+            return refused
     mode = getattr(args, "disaggregation_mode", "null")
     if mode not in (None, "null"):
         return f"--disaggregation-mode {mode}: PD disaggregation is not supported with --unicache"
@@ -53,6 +55,24 @@ def unsupported_server_args(args: Any) -> str | None:
     if dtype in SCALED_KV_DTYPES:
         return f"--kv-cache-dtype {dtype}: KV dtypes with separate scale buffers are not " \
                f"supported with --unicache (use auto, bf16, fp8_e4m3 or fp8_e5m2)"
+    return None
+
+
+def _unsupported_hicache(args: Any) -> str | None:
+    """HiCache with compressed spans: the host tier, with the write-through policies and in
+    cache mode. A storage backend (L3) would keep spans past the process that holds their
+    metadata; write-back and buffer-only mode move KV on paths the plugin does not follow."""
+    backend = getattr(args, "hicache_storage_backend", None)
+    if backend:
+        return f"--hicache-storage-backend {backend}: HiCache storage backends are not " \
+               "supported with --unicache (the host tier is)"
+    policy = getattr(args, "hicache_write_policy", "write_through")
+    if policy == "write_back":
+        return "--hicache-write-policy write_back: not supported with --unicache (use " \
+               "write_through or write_through_selective)"
+    mode = getattr(args, "hicache_host_memory_mode", "cache")
+    if mode not in (None, "cache"):
+        return f"--hicache-host-memory-mode {mode}: only cache mode is supported with --unicache"
     return None
 
 

@@ -9,6 +9,7 @@ from sglang.srt.platforms.cpu import CpuDeviceMixin
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
+from sglang_unicache.platform import hicache
 from sglang_unicache.platform.cpu import default_max_total_tokens, threads_bind
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,11 @@ class UniCacheCpuPlatform(CpuDeviceMixin, SRTPlatform):
         # An idle scheduler otherwise spins one core at 100%: on a CPU host that core is the
         # one the next request needs.
         server_args.sleep_on_idle = True
+        hicache.server_args_defaults(server_args)
         self._bind_threads(server_args)
+
+    def init_backend(self) -> None:
+        hicache.install()
 
     @staticmethod
     def _bind_threads(server_args) -> None:

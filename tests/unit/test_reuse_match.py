@@ -111,3 +111,19 @@ def test_a_prompt_ending_in_a_cached_image_does_not_split_the_span(cache):  # no
     assert req.prefix_len == len(tree_test.PREFIX)
     assert list(req.origin_input_ids) == list(ids)  # not rewritten
     assert cache.spans.of_image(meta.image_key) is meta
+
+
+def test_a_span_held_in_the_host_tier_counts_as_covered():
+    """With HiCache the device match may end before the span, which the host tier holds: the
+    match's host hit covers it, so the request keeps the rewrite and admission loads it back."""
+    controller, req, index, meta, seen, _ = waiting(tree_holds=START)
+
+    def match():
+        seen.append(list(req.origin_input_ids))
+        req.prefix_len = START  # the text before the image is on the device
+        req.host_hit_length = K + 2  # the span and two tokens after it are in host memory
+
+    controller.match_with_reuse(match, req)
+    assert seen[-1][START:START + K] == list(meta.ids)
+    assert len(req.origin_input_ids) == LENGTH - (N - K)
+    assert controller.stats.spans_reused == 1

@@ -1,0 +1,64 @@
+"""HiCache with compressed spans (issue 16): ``--enable-hierarchical-cache`` on the CPU platform,
+stock and with ``--unicache``. A device pool too small for the stream demotes compressed spans
+to host memory; a later question about an early image loads its span back (not recomputed),
+answers exactly as a device hit does, and every slot and span stays accounted for."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import KEEP, assert_integrity
+from tests.support.client import answer, chat, internal_state
+from tests.support.images import image_chat, solid_png
+
+POOL = 640  # ~8 uncompressed prompts of the tiny model (64 image tokens each)
+IMAGES = 30  # compressed at 25% about 20 fit: the first ones go to the host tier
+IMAGE_TOKENS = 64
+HICACHE = ["--max-total-tokens", str(POOL), "--enable-hierarchical-cache", "--hicache-size", "1"]
+
+
+def picture(i: int) -> bytes:
+    return solid_png((20 + 7 * i, 200 - 5 * i, (40 * i) % 256))
+
+
+def second_asks(server) -> list[dict]:
+    for i in range(IMAGES):
+        chat(server, image_chat(picture(i), "what colour is it?", max_tokens=1))
+    return [chat(server, image_chat(picture(i), "what shape is it?", max_tokens=6))
+            for i in range(IMAGES)]
+
+
+def cached(out: dict) -> int:
+    return out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.fixture
+def hicache_unicache(server_factory, nocheck_config):
+    server = server_factory("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio",
+                            str(KEEP), "--unicache-config", nocheck_config,
+                            "--enable-cache-report", *HICACHE)
+    yield server
+    assert_integrity(server)
+
+
+def test_stock_hicache_runs_on_the_cpu_platform(server_factory):
+    """The platform's host pool and transfers: stock SGLang keeps every image of a stream
+    that overflows the device pool, and a later question hits it in host memory."""
+    server = server_factory("--enable-cache-report", *HICACHE)
+    outs = second_asks(server)
+    assert all(cached(out) >= IMAGE_TOKENS for out in outs), [cached(o) for o in outs]
+
+
+def test_compressed_spans_go_to_host_memory_and_load_back_exactly(hicache_unicache, compressing):
+    outs = second_asks(hicache_unicache)
+    state = internal_state(hicache_unicache)["unicache"]
+    assert state["images_compressed"] == IMAGES
+    assert state["spans_reused"] == IMAGES, "a span was recomputed instead of loaded back"
+    assert state["images_prefilled"] == IMAGES, "an image was encoded again"
+    assert state["spans_loaded_back"] >= 5, state  # the early images came from host memory
+    assert all(cached(out) >= IMAGE_TOKENS for out in outs)
+    # The same questions on a pool that holds every span (device hits only): the loaded-back
+    # spans hold exactly the entries compression kept.
+    reference = second_asks(compressing)
+    assert [answer(o) for o in outs] == [answer(o) for o in reference]
+    assert internal_state(compressing)["unicache"]["spans_loaded_back"] == 0
