@@ -6,7 +6,8 @@ estimated.
 
 1. memory: KV slots (and bytes) one cached image holds in the tree, per keep ratio, vs stock.
 2. capacity: distinct images still resident in a pool sized for ~8 uncompressed images, after a
-   stream of distinct images (``capacity-trained``: the same on the bundled trained model).
+   stream of distinct images (``capacity-trained``: the same on the bundled trained model;
+   ``capacity-hicache``: with HiCache's host tier, whose resident spans count).
 5. overhead: time from prefill end to compressed cache (score capture + policy + compaction) as a
    share of the prefill forward, per method.
 
@@ -121,20 +122,48 @@ def memory_per_image(model: Path, config: Path, ratios: list[float], log_dir: Pa
     return rows
 
 
-def capacity(model: Path, config: Path, ratio: float, stream: int, log_dir: Path,
-             size: int = IMAGE_SIZE) -> list[dict]:
-    """Images still reusable (>= 16 prompt tokens cached) after a stream of distinct images, in a
-    pool sized for 8 uncompressed images with their text: stock, the plugin with re-compression
-    off (a full pool evicts whole images) and on (the default: every cached image is halved once
-    before any is halved twice), and the defaults as shipped."""
-    pool = 8 * ((size // 28) ** 2 + 24)
+# HiCache's host tier at SGLang's default size in cache mode (twice the device pool).
+HICACHE = ["--enable-hierarchical-cache", "--hicache-ratio", "2"]
+
+
+def capacity_servers(config: Path, ratio: float) -> list[tuple[str, list[str]]]:
+    """Stock, the plugin with re-compression off (a full pool evicts whole images) and on (the
+    default: every cached image is halved once before any is halved twice), and the defaults as
+    shipped."""
     no_recompress = config.with_name("policy-no-recompress.json")
     no_recompress.write_text(json.dumps({**json.loads(config.read_text()), "recompress": False}))
-    servers = [("stock", flags_for(None, ratio, config)),
-               (f"unicache keep {ratio}, re-compression off",
-                flags_for("knorm", ratio, no_recompress)),
-               (f"unicache keep {ratio}", flags_for("knorm", ratio, config)),
-               *SHIPPED_ROW.items()]
+    return [("stock", flags_for(None, ratio, config)),
+            (f"unicache keep {ratio}, re-compression off",
+             flags_for("knorm", ratio, no_recompress)),
+            (f"unicache keep {ratio}", flags_for("knorm", ratio, config)),
+            *SHIPPED_ROW.items()]
+
+
+def hicache_servers(config: Path, ratio: float) -> list[tuple[str, list[str]]]:
+    """Stock without and with HiCache, then the plugin (bf16, int8 and int4 host copies) and the
+    shipped defaults with HiCache (issue 16: spans resident in host memory count, a hit there
+    loads back)."""
+    name, shipped = next(iter(SHIPPED_ROW.items()))
+    quantized = []
+    for mode in ("int8", "int4"):
+        path = config.with_name(f"policy-host-{mode}.json")
+        path.write_text(json.dumps({**json.loads(config.read_text()), "host_quantization": mode}))
+        quantized.append((f"unicache keep {ratio} + HiCache, {mode} host copies",
+                          flags_for("knorm", ratio, path) + HICACHE))
+    return [("stock", flags_for(None, ratio, config)),
+            ("stock + HiCache", flags_for(None, ratio, config) + HICACHE),
+            (f"unicache keep {ratio} + HiCache", flags_for("knorm", ratio, config) + HICACHE),
+            *quantized,
+            (f"{name} + HiCache", shipped + HICACHE)]
+
+
+def capacity(model: Path, config: Path, ratio: float, stream: int, log_dir: Path,
+             size: int = IMAGE_SIZE, servers: list | None = None) -> list[dict]:
+    """Images still reusable (>= 16 prompt tokens cached) after a stream of distinct images, in a
+    pool sized for 8 uncompressed images with their text, on each of ``servers`` (default
+    ``capacity_servers``); ratios against the first row (stock)."""
+    pool = 8 * ((size // 28) ** 2 + 24)
+    servers = servers or capacity_servers(config, ratio)
     rows = []
     for name, flags in servers:
         server = start_server(model, flags + ["--max-total-tokens", str(pool)],
@@ -142,7 +171,8 @@ def capacity(model: Path, config: Path, ratio: float, stream: int, log_dir: Path
         try:
             for i in range(stream):
                 ask(server, 100 + i, size)
-            shrunk = (internal_state(server).get("unicache") or {}).get("spans_recompressed", 0)
+            stats = internal_state(server).get("unicache") or {}
+            shrunk = stats.get("spans_recompressed", 0)
             resident = 0
             for i in reversed(range(stream)):  # newest first: a hit refreshes only itself
                 out = ask(server, 100 + i, size)
@@ -152,7 +182,8 @@ def capacity(model: Path, config: Path, ratio: float, stream: int, log_dir: Path
         finally:
             server.stop()
         rows.append({"server": name, "pool_tokens": pool, "images_streamed": stream,
-                     "images_resident": resident, "spans_recompressed": shrunk})
+                     "images_resident": resident, "spans_recompressed": shrunk,
+                     "spans_on_host_after_stream": stats.get("spans_on_host", 0)})
     for row in rows[1:]:
         row["ratio_vs_stock"] = round(row["images_resident"] / max(rows[0]["images_resident"], 1),
                                       2)
@@ -190,8 +221,8 @@ def main() -> None:
     parser.add_argument("--methods", default="knorm,snapkv,h2o,pyramidkv,aircache,unicache")
     parser.add_argument("--stream", type=int, default=400,
                         help="capacity: distinct images streamed")
-    parser.add_argument("--parts", default="memory,capacity,capacity-trained,overhead,workload,"
-                        "workload-large,decode,concurrency")
+    parser.add_argument("--parts", default="memory,capacity,capacity-trained,capacity-hicache,"
+                        "overhead,workload,workload-large,decode,concurrency")
     parser.add_argument("--method", default="knorm", help="plugin method of the workload parts")
     parser.add_argument("--images", type=int, default=24, help="workload: distinct images")
     parser.add_argument("--conversations", type=int, default=48, help="workload: conversations")
@@ -225,6 +256,9 @@ def main() -> None:
     if "capacity-trained" in parts:  # the same on the bundled trained model (64-token images)
         results["capacity-trained"] = capacity(TRAINED_MODEL, config, 0.1, args.stream, log_dir,
                                                size=224)
+    if "capacity-hicache" in parts:  # spans in HiCache's host tier count (issue 16)
+        results["capacity-hicache"] = capacity(model, config, 0.1, args.stream, log_dir,
+                                               servers=hicache_servers(config, 0.1))
     if "overhead" in parts:
         results["overhead"] = overhead(model, config, args.methods.split(","), 0.1, log_dir)
     servers = {"stock": flags_for(None, 0.1, config),

@@ -163,6 +163,10 @@ class UniCacheConfig:
     quantization: str = doc(
         "off", "seed §8.1 says int8; off by default (SGLang pool has one dtype)"
     )
+    host_quantization: str = doc(
+        "off", "HiCache host copies as int8 or int4 per (slot, KV head), seed §6.3 "
+        "(--enable-hierarchical-cache on the CPU platform; docs/scale-out.md)"
+    )
     layer_fill: str = doc("none", '"next": pad every layer to physical_slots with next-best tokens')
 
     # The statistic and threshold come from docs/selfcheck.md: the seed's KL predicted best that
@@ -262,6 +266,7 @@ class UniCacheConfig:
         _int_range("selfcheck_layers", self.selfcheck_layers, 1, 1 << 10)
         _choice("modality_allocation", self.modality_allocation, MODALITY_ALLOCATIONS)
         _choice("quantization", self.quantization, QUANTIZATIONS)
+        _choice("host_quantization", self.host_quantization, QUANTIZATIONS)
         _choice("layer_fill", self.layer_fill, LAYER_FILLS)
         if self.evict_low > self.evict_high:
             raise ValueError(

@@ -57,3 +57,56 @@ def quantized_nbytes(k: int, h: int, d: int, bits: int) -> int:
     """Bytes of ``quantize`` output for a ``[k, h, d]`` tensor (payload + fp32 scales)."""
     per_head = k * d if bits == 8 else (k * d + 1) // 2
     return h * per_head + 4 * h
+
+
+# -- HiCache host copies (``host_quantization``) ------------------------------------------------
+# The host tier stores KV slot by slot, so its copies are quantized per (slot, KV head): one
+# bfloat16 scale (2 bytes, kept in the row) per head_dim values, finer than the per-head scale
+# above, which spans a whole compressed image.
+SCALE_BYTES = 2
+
+
+def host_row_bytes(head_dim: int, bits: int) -> int:
+    """Bytes of one (slot, head) row of a quantized host copy: payload and its scale."""
+    if bits == 4 and head_dim % 2:
+        raise ValueError(f"int4 host copies need an even head_dim, got {head_dim}")
+    return (head_dim if bits == 8 else head_dim // 2) + SCALE_BYTES
+
+
+def host_bits(head_dim: int, row_bytes: int) -> int:
+    """The bits of a quantized host row ``row_bytes`` wide (``host_row_bytes``'s inverse)."""
+    for bits in (8, 4):
+        if row_bytes == host_row_bytes(head_dim, bits):
+            return bits
+    raise ValueError(f"a {row_bytes}-byte host row holds no quantized head of {head_dim} values")
+
+
+def pack_host_rows(x: Tensor, bits: int) -> Tensor:
+    """``x [T, H, D]`` (any float dtype) as ``[T, H, host_row_bytes(D, bits)]`` uint8 rows:
+    symmetric codes with scale max |x| / qmax per (slot, head), the scale's bfloat16 bytes last."""
+    x = x.float()
+    qmax = QMAX[bits]
+    # Rounded up to bfloat16 (its rounding is within 2**-8), so no code clamps at qmax.
+    scale = (x.abs().amax(dim=-1, keepdim=True) / qmax * (1 + 2**-7)).clamp_min(1e-12)
+    scale = scale.to(torch.bfloat16)
+    q = torch.round(x / scale.float()).clamp(-qmax - (bits == 4), qmax)
+    if bits == 8:
+        payload = q.to(torch.int8).view(torch.uint8)
+    else:
+        codes = (q + 8).to(torch.uint8)
+        payload = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return torch.cat([payload, scale.view(torch.uint8)], dim=-1)
+
+
+def unpack_host_rows(rows: Tensor, head_dim: int, dtype: torch.dtype) -> Tensor:
+    """Inverse of ``pack_host_rows``: ``[T, H, head_dim]`` in ``dtype``."""
+    bits = host_bits(head_dim, rows.shape[-1])
+    payload, scale = rows[..., :-SCALE_BYTES], rows[..., -SCALE_BYTES:].contiguous()
+    scale = scale.view(torch.bfloat16).float()
+    if bits == 8:
+        q = payload.contiguous().view(torch.int8).float()
+    else:
+        lo = (payload & 0xF).float() - 8
+        hi = (payload >> 4).float() - 8
+        q = torch.stack([lo, hi], dim=-1).reshape(*payload.shape[:-1], head_dim)
+    return (q * scale).to(dtype)

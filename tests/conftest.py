@@ -8,6 +8,7 @@ start (default 300 s) and UNICACHE_TEST_MAX_SERVERS how many run at once (defaul
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections import OrderedDict
 from pathlib import Path
@@ -65,9 +66,11 @@ def server_factory(tiny_model):
         while len(servers) >= MAX_LIVE_SERVERS:
             servers.popitem(last=False)[1].stop()
         flags = "_".join(Path(a).name if "/" in a else a.lstrip("-") for a in args)
-        name = "server-" + (flags or "stock")[:100]
+        name = "server-" + (flags or "stock")[:90]
         if env:
             name += "_" + "_".join(f"{k}={v}" for k, v in sorted(env.items()))
+        # Two servers whose flags share the first 90 characters must not share a log.
+        name += "-" + hashlib.sha1(repr(key).encode()).hexdigest()[:8]
         servers[key] = start_server(tiny_model, list(args), LOG_DIR / f"{name}.log", env=env)
         return servers[key]
 

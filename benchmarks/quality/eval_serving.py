@@ -109,8 +109,28 @@ def long_items(images: int, seed: int, grid: int, task: str = "vqa") -> list:
     return make_split("test", images, 1, seed=seed + 1, grid=grid, qtypes=qtypes, task=task)
 
 
+def run_reuse_warm_all(server, groups: dict[str, list]) -> tuple[dict, int, list[dict]]:
+    """``--reuse-order warm-all``: question 1 of every image first, then the later questions of
+    each image, so with a small pool and HiCache most of them reuse a span loaded back from host
+    memory (``stats.spans_loaded_back`` counts them)."""
+    flush_cache(server)
+    for group in groups.values():
+        ask(server, group[0], MAX_TOKENS)
+    before = internal_state(server).get("unicache", {}).get("spans_reused", 0)
+    rows, per_image = [], []
+    for group in groups.values():
+        correct = []
+        for item in group[1:]:
+            got = ask(server, item, MAX_TOKENS)
+            correct.append(int(got == item.answer))
+            rows.append({"qtype": item.qtype, "correct": got == item.answer})
+        per_image.append({"image": group[0].image_id, "check": None, "correct": correct})
+    reused = internal_state(server).get("unicache", {}).get("spans_reused", 0) - before
+    return score(rows), reused, per_image
+
+
 def run_reuse(server, images: int, questions: int, seed: int,
-              grid: int, task: str = "vqa") -> tuple[dict, int, list[dict]]:
+              grid: int, task: str = "vqa", order: str = "grouped") -> tuple[dict, int, list[dict]]:
     """The reuse score, the spans reused, and per image the warming request's self-check (its
     last ``recent_checks`` entry, or None) with the correctness of the questions that reused it."""
     items = reuse_items(images, questions, seed, grid, task)
@@ -118,6 +138,8 @@ def run_reuse(server, images: int, questions: int, seed: int,
     groups: dict[str, list] = {}
     for item in items:
         groups.setdefault(item.image_id, []).append(item)
+    if order == "warm-all":
+        return run_reuse_warm_all(server, groups)
     for group in groups.values():
         flush_cache(server)
         last = (internal_state(server).get("unicache", {}).get("recent_checks") or [{}])[-1]
@@ -223,6 +245,10 @@ def main() -> None:
     parser.add_argument("--server-arg", action="append", default=[], metavar="FLAG",
                         help="extra SGLang server flag, e.g. --server-arg=--kv-cache-dtype "
                              "--server-arg=fp8_e4m3 (recorded in the results)")
+    parser.add_argument("--reuse-order", choices=("grouped", "warm-all"), default="grouped",
+                        help="grouped: each image's questions together, the cache flushed "
+                             "between images; warm-all: question 1 of every image first, then "
+                             "the rest (with a small pool and HiCache: spans from host memory)")
     parser.add_argument("--out", default="runs/quality.json")
     args = parser.parse_args()
     if args.grid is None:
@@ -276,8 +302,11 @@ def main() -> None:
                          "server_args": args.server_arg}
                 if "reuse" in settings:
                     entry["reuse"], entry["spans_reused"], entry["images"] = run_reuse(
-                        server, args.images, args.questions, args.seed, args.grid, args.task)
-                    entry["held"] = held_summary(entry["images"], args.grid ** 2)
+                        server, args.images, args.questions, args.seed, args.grid, args.task,
+                        args.reuse_order)
+                    entry["reuse_order"] = args.reuse_order
+                    if args.reuse_order == "grouped":
+                        entry["held"] = held_summary(entry["images"], args.grid ** 2)
                 if "long" in settings:
                     entry["long"] = run_long(server, args.images, args.seed, args.grid,
                                              args.task)

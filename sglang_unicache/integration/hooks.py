@@ -20,7 +20,11 @@ from sglang_unicache.integration.capture import QueryCapture
 from sglang_unicache.integration.controller import Controller
 from sglang_unicache.integration.integrity import check_integrity
 from sglang_unicache.integration.metrics import Metrics
-from sglang_unicache.integration.support import local_hf_config, unsupported_setup
+from sglang_unicache.integration.support import (
+    local_hf_config,
+    unsupported_host_quantization,
+    unsupported_setup,
+)
 from sglang_unicache.integration.tensor_parallel import TensorParallel
 
 logger = logging.getLogger("sglang_unicache")
@@ -78,7 +82,8 @@ MM_PREPROCESS_CACHE_MB = 256  # --unicache's default for SGLang's image preproce
 
 def _prepare_config(server_args: Any, config: Any) -> Any:
     if config is not None:
-        reason = unsupported_setup(server_args, local_hf_config(server_args.model_path))
+        reason = unsupported_setup(server_args, local_hf_config(server_args.model_path)) or \
+            unsupported_host_quantization(server_args, config)
         if reason:
             raise flags.UniCacheFlagError(reason)
         backend = server_args.radix_cache_backend

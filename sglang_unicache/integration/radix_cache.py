@@ -55,7 +55,10 @@ from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from sglang_unicache.integration.compaction import move_entries, pool_buffers
+from sglang_unicache.integration.flags import config_of
 from sglang_unicache.integration.spans import SpanIndex, SpanMeta, SpanNaming
+from sglang_unicache.platform.hicache import quantize_host_copies
+from sglang_unicache.quantize import bits_of
 from sglang_unicache.shrink import shrink_order, shrunk_count
 
 logger = logging.getLogger("sglang_unicache")
@@ -403,6 +406,10 @@ def _factory(ctx: TreeCacheBuildContext):
     if ctx.disable_radix_cache or ctx.is_hybrid_swa or ctx.is_hybrid_ssm:
         return default_radix_cache_factory(ctx)
     ctx = replace(ctx, params=replace(ctx.params, tree_core_backend=BACKEND))
+    config = config_of(ctx.server_args)
+    if ctx.enable_hierarchical_cache and config is not None \
+            and config.host_quantization != "off":
+        quantize_host_copies(bits_of(config.host_quantization))
     return create_unified_radix_cache(ctx, cache_class=CompressedRadixCache)
 
 

@@ -76,6 +76,27 @@ def _unsupported_hicache(args: Any) -> str | None:
     return None
 
 
+def unsupported_host_quantization(args: Any, config: Any) -> str | None:
+    """``host_quantization`` needs HiCache, this project's CPU platform (whose host copy
+    quantizes) and a pool it can read as floats."""
+    mode = getattr(config, "host_quantization", "off")
+    if mode == "off":
+        return None
+    if not getattr(args, "enable_hierarchical_cache", False):
+        return f"host_quantization {mode}: needs --enable-hierarchical-cache (it quantizes " \
+               "HiCache's host copies)"
+    from sglang_unicache.platform.hicache import platform_active
+
+    if not platform_active():
+        return f"host_quantization {mode}: only the unicache_cpu platform's HiCache copies " \
+               "quantize (on a GPU they are sgl-kernel ops)"
+    dtype = getattr(args, "kv_cache_dtype", "auto")
+    if dtype not in (None, "auto", "bf16", "bfloat16", "float16", "half", "float32"):
+        return f"host_quantization {mode}: not with --kv-cache-dtype {dtype} (the host copy " \
+               "quantizes floating-point KV)"
+    return None
+
+
 def unsupported_model(hf_config: dict[str, Any]) -> str | None:
     """Why the checkpoint's config rules ``--unicache`` out, or None."""
     # VLM checkpoints keep the language model's fields in text_config, older ones at the top.

@@ -14,6 +14,12 @@ so the platform replaces exactly those three pieces in each worker (``install``)
 The controller's streams and events are ``torch.cpu``'s (SGLang picks them when no accelerator
 is visible). ``server_args_defaults`` selects the ``direct`` io backend and the ``layer_first``
 host layout, the one pair the torch copy implements.
+
+Quantized host copies (UniCache seed §6.3: quantize after token compression; config key
+``host_quantization``): ``quantize_host_copies(bits)`` makes HiCache build its host pool as
+``uint8`` rows of ``quantize.host_row_bytes`` bytes per (slot, KV head), int8 or int4 codes with
+their scale, and the copy quantizes on the way to host memory and dequantizes on the way back.
+Only this platform's copy can do that (on a GPU the copies are sgl-kernel ops).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import logging
 import os
 
 import torch
+
+from sglang_unicache.quantize import host_row_bytes, pack_host_rows, unpack_host_rows
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +59,14 @@ def transfer_kv_direct(src_layers: list[torch.Tensor], dst_layers: list[torch.Te
     src = src_indices.to(torch.int64)
     dst = dst_indices.to(torch.int64)
     for src_layer, dst_layer in zip(src_layers, dst_layers, strict=True):
-        dst_layer[dst] = src_layer[src].to(dst_layer.dtype)
+        rows = src_layer[src]
+        if dst_layer.dtype == torch.uint8 and rows.dtype.is_floating_point:  # to a quantized host
+            bits = 8 if dst_layer.shape[-1] == host_row_bytes(rows.shape[-1], 8) else 4
+            dst_layer[dst] = pack_host_rows(rows, bits)
+        elif rows.dtype == torch.uint8 and dst_layer.dtype.is_floating_point:  # and back
+            dst_layer[dst] = unpack_host_rows(rows, dst_layer.shape[-1], dst_layer.dtype)
+        else:
+            dst_layer[dst] = rows.to(dst_layer.dtype)
 
 
 def _allocate_unpinned(dims: tuple, dtype: torch.dtype, device: str, pin_memory: bool,
@@ -77,3 +92,47 @@ def server_args_defaults(server_args) -> None:
                     "layout (the transfers this platform implements)")
     server_args.hicache_io_backend = "direct"
     server_args.hicache_mem_layout = "layer_first"
+
+
+_quantized_pools: dict[int, type] = {}
+
+
+def quantized_host_pool(bits: int) -> type:
+    """SGLang's MHA host pool, its buffer ``uint8`` rows of int8 or int4 codes and a scale."""
+    if bits in _quantized_pools:
+        return _quantized_pools[bits]
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    class QuantizedHostPool(MHATokenToKVPoolHost):
+        def get_size_per_token(self):
+            return 2 * self.layer_num * self.head_num * host_row_bytes(self.head_dim, bits)
+
+        def init_kv_buffer(self):
+            if self.layout != "layer_first":
+                raise ValueError(f"quantized host copies need the layer_first layout, got "
+                                 f"{self.layout}")
+            dims = (2, self.layer_num, self.size, self.head_num,
+                    host_row_bytes(self.head_dim, bits))
+            self.token_stride_size = self.head_num * host_row_bytes(self.head_dim, bits)
+            self.layout_dim = self.token_stride_size * self.layer_num
+            return self.allocator.allocate(dims, dtype=torch.uint8, device=self.device)
+
+    QuantizedHostPool.__name__ = f"Int{bits}HostPool"
+    _quantized_pools[bits] = QuantizedHostPool
+    return QuantizedHostPool
+
+
+def quantize_host_copies(bits: int) -> None:
+    """Build HiCache's host pool from now on in this process as ``quantized_host_pool(bits)``."""
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
+
+    pool = quantized_host_pool(bits)
+    assembler.get_mha_host_pool_cls = lambda buffer_info: pool
+
+
+def platform_active() -> bool:
+    """Whether SGLang runs on this platform (its HiCache copies are this module's)."""
+    from sglang.srt.platforms import current_platform
+
+    return getattr(current_platform, "device_name", None) == "cpu" and \
+        type(current_platform).__module__.startswith("sglang_unicache.platform")

@@ -107,3 +107,14 @@ def test_launch_server_prints_one_line_and_exits(tiny_model):
     assert errors == ["error: --unicache-keep-ratio: unicache config: keep_ratio must be in "
                       "(0, 1], got 0.0"]
     assert "Traceback" not in proc.stderr
+
+
+def test_host_quantization_needs_hicache_and_float_kv(prepare, tmp_path):
+    path = tmp_path / "q.yaml"
+    path.write_text("host_quantization: int8\n")
+    assert "host_quantization int8: needs --enable-hierarchical-cache" in error_of(
+        prepare, "--unicache", "--unicache-config", str(path))
+    assert "not with --kv-cache-dtype fp8_e4m3" in error_of(
+        prepare, "--unicache", "--unicache-config", str(path), "--enable-hierarchical-cache",
+        "--kv-cache-dtype", "fp8_e4m3")
+    prepare("--unicache", "--unicache-config", str(path), "--enable-hierarchical-cache")

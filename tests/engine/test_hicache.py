@@ -62,3 +62,36 @@ def test_compressed_spans_go_to_host_memory_and_load_back_exactly(hicache_unicac
     reference = second_asks(compressing)
     assert [answer(o) for o in outs] == [answer(o) for o in reference]
     assert internal_state(compressing)["unicache"]["spans_loaded_back"] == 0
+
+
+def host_pool_tokens(server) -> int:
+    """Tokens HiCache's host pool was sized for (its startup log line)."""
+    import re
+
+    found = re.search(r"hierarchical KV host pool: (\d+) tokens", server.log())
+    assert found, "no host pool in the log"
+    return int(found.group(1))
+
+
+def test_int8_host_copies_hold_more_slots_and_answer_as_bf16(server_factory, hicache_unicache,
+                                                             tmp_path_factory, tiny_model):
+    """``host_quantization: int8`` (seed §6.3): the same 1 GB host pool holds (2 D) / (D + 2)
+    times the slots, and the spans loaded back from int8 answer as those from bf16 copies."""
+    import json
+
+    path = tmp_path_factory.mktemp("cfg") / "int8.yaml"
+    path.write_text("selfcheck: false\nhost_quantization: int8\n")
+    server = server_factory("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio",
+                            str(KEEP), "--unicache-config", str(path), "--enable-cache-report",
+                            *HICACHE)
+    outs = second_asks(server)
+    state = internal_state(server)["unicache"]
+    assert state["integrity"] == [] and state["spans_reused"] == IMAGES
+    assert state["spans_loaded_back"] >= 5, state
+    cfg = json.loads((tiny_model / "config.json").read_text())
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    ratio = host_pool_tokens(server) / host_pool_tokens(hicache_unicache)
+    assert ratio == pytest.approx(2 * head_dim / (head_dim + 2), rel=0.01)
+    reference = second_asks(hicache_unicache)
+    same = sum(answer(a) == answer(b) for a, b in zip(outs, reference, strict=True))
+    assert same >= IMAGES - 2, f"{same} of {IMAGES} answers as with bf16 host copies"

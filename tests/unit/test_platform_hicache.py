@@ -51,3 +51,25 @@ def test_install_replaces_the_gpu_only_pieces(monkeypatch):
     buffer = common.ALLOC_MEMORY_FUNCS["cpu"]((2, 3), torch.float32, "cpu", True,
                                               common.HostTensorAllocator())
     assert buffer.shape == (2, 3) and not buffer.is_pinned()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_host_copy_round_trips_within_half_a_step(bits):
+    """To a quantized host row and back: every value within half a quantization step of its
+    (slot, head) scale (the scale's own bfloat16 rounding and the result's included), the row
+    ``host_row_bytes`` wide."""
+    from sglang_unicache.quantize import QMAX, host_row_bytes
+
+    torch.manual_seed(1)
+    device = [torch.randn(12, 2, 32, dtype=torch.bfloat16) * 3 for _ in range(2)]
+    host = [torch.zeros(20, 2, host_row_bytes(32, bits), dtype=torch.uint8) for _ in range(2)]
+    back = [torch.zeros(12, 2, 32, dtype=torch.bfloat16) for _ in range(2)]
+    at, slots = torch.arange(12), torch.randperm(20)[:12]
+    hicache.transfer_kv_direct(device, host, at, slots, page_size=1)
+    hicache.transfer_kv_direct(host, back, slots, at, page_size=1)
+    for x, y in zip(device, back, strict=True):
+        step = x.float().abs().amax(-1, keepdim=True) / QMAX[bits]
+        bound = step * 0.5 * 1.02 + x.float().abs() * 2**-8
+        assert ((x.float() - y.float()).abs() <= bound).all()
+        assert not torch.equal(x, torch.zeros_like(x)) and (y != 0).any()
+    assert host_row_bytes(32, 8) == 34 and host_row_bytes(32, 4) == 18
