@@ -68,3 +68,12 @@ def test_span_metadata_without_a_node_is_found(cache):  # noqa: F811
     errors = check_integrity(scheduler_of(cache))
     assert errors == ["compressed_slots_held 8 != the 0 the nodes' spans hold",
                       "1 indexed span(s) belong to no tree node"]
+
+
+def test_a_miscounted_host_tier_is_found(cache):  # noqa: F811
+    """HiCache: ``spans_on_host`` must match the host-only nodes' spans."""
+    make_span(cache)
+    assert check_integrity(scheduler_of(cache)) == []
+    cache.host.spans += 1  # a demotion counted that the tree does not show
+    assert any("spans_on_host 1 != the 0 host-only" in e for e in check_integrity(
+        scheduler_of(cache)))

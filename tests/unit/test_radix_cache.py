@@ -211,3 +211,30 @@ def test_a_shrunk_span_goes_to_the_back_of_the_eviction_order(cache):
     cache.evict(EvictParams(num_tokens=1))  # then the other one, not the shrunk one again
     assert (first.recompressions, second.recompressions) == (1, 1)
     cache.sanity_check()
+
+
+def test_a_demoted_span_keeps_its_metadata_and_dies_with_its_host_copy(cache):
+    """HiCache's moves, through the tree core: a demotion (the host copy kept) frees the span's
+    device slots but keeps its metadata and index entry; the host tier evicting the node then
+    drops both. ``held`` and ``host.spans`` follow, and the integrity check agrees."""
+    from sglang_unicache.integration.integrity import _check_spans
+
+    meta, _ = make_span(cache)
+    key = RadixKey(array("q", PREFIX + list(meta.ids) + TAIL))
+    node = cache.tree_core.node_by_id(cache.node_holding(
+        cache.match_prefix(MatchPrefixParams(key=key)).last_device_node, meta.ids[0]).id)
+    full = node.component(radix_cache.FULL)
+    full.host_value = torch.arange(full.value.numel())
+    assert cache.held == K and cache.host.spans == 0
+    cache._demote(node.id, {radix_cache.FULL: 0})  # what eviction does to a backed-up leaf
+    assert full.value is None and radix_cache.spans_of(node) == {meta.ids[0]: meta}
+    assert cache.held == 0 and cache.host.spans == 1
+    assert cache.spans.of_image(meta.image_key) is meta
+    assert _check_spans(cache) == []
+    from collections import defaultdict
+
+    host_frees = defaultdict(list)
+    cache.tree_core._evict_host_leaf(node, defaultdict(int), defaultdict(list), host_frees, [])
+    assert sum(len(f) for f in host_frees[radix_cache.FULL]) == len(PREFIX + TAIL) + K
+    assert cache.host.spans == 0 and cache.spans.of_image(meta.image_key) is None
+    assert _check_spans(cache) == []
