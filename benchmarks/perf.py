@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from benchmarks.perf_workload import concurrency, decode, streaming, workload
+from sglang_unicache.quantize import bits_of, host_row_bytes
 from sglang_unicache.registry import known_methods
 from tests.support.client import (
     available_slots,
@@ -139,7 +140,12 @@ def capacity_servers(config: Path, ratio: float) -> list[tuple[str, list[str]]]:
             *SHIPPED_ROW.items()]
 
 
-def hicache_servers(config: Path, ratio: float) -> list[tuple[str, list[str]]]:
+def head_dim(model: Path) -> int:
+    cfg = json.loads((model / "config.json").read_text())
+    return cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+def hicache_servers(model: Path, config: Path, ratio: float) -> list[tuple[str, list[str]]]:
     """Stock without and with HiCache, then the plugin (bf16, int8 and int4 host copies) and the
     shipped defaults with HiCache (issue 16: spans resident in host memory count, a hit there
     loads back)."""
@@ -148,8 +154,13 @@ def hicache_servers(config: Path, ratio: float) -> list[tuple[str, list[str]]]:
     for mode in ("int8", "int4"):
         path = config.with_name(f"policy-host-{mode}.json")
         path.write_text(json.dumps({**json.loads(config.read_text()), "host_quantization": mode}))
-        quantized.append((f"unicache keep {ratio} + HiCache, {mode} host copies",
-                          flags_for("knorm", ratio, path) + HICACHE))
+        # The host tier is sized in slots (--hicache-ratio x the device pool): the same bytes
+        # as the bf16 row's hold 2 D / row bytes times the slots.
+        d = head_dim(model)
+        host_ratio = float(HICACHE[-1]) * 2 * d / host_row_bytes(d, bits_of(mode))
+        quantized.append((f"unicache keep {ratio} + HiCache, {mode} host copies, same host bytes "
+                          f"(--hicache-ratio {host_ratio:.2f})",
+                          flags_for("knorm", ratio, path) + HICACHE[:-1] + [f"{host_ratio:.3f}"]))
     return [("stock", flags_for(None, ratio, config)),
             ("stock + HiCache", flags_for(None, ratio, config) + HICACHE),
             (f"unicache keep {ratio} + HiCache", flags_for("knorm", ratio, config) + HICACHE),
@@ -237,6 +248,9 @@ def main() -> None:
     parser.add_argument("--streaming-methods", default="all",
                         help="streaming: methods run with the self-check off, besides stock and "
                              "the shipped defaults (comma-separated, or all)")
+    parser.add_argument("--rows", default="",
+                        help="capacity-hicache: run stock and only the rows whose name holds "
+                             "one of these comma-separated strings")
     parser.add_argument("--out", default="runs/perf.json")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp())
@@ -257,8 +271,12 @@ def main() -> None:
         results["capacity-trained"] = capacity(TRAINED_MODEL, config, 0.1, args.stream, log_dir,
                                                size=224)
     if "capacity-hicache" in parts:  # spans in HiCache's host tier count (issue 16)
+        servers = hicache_servers(model, config, 0.1)
+        if args.rows:  # stock (the ratios' base) and the rows named
+            servers = servers[:1] + [row for row in servers[1:]
+                                     if any(part in row[0] for part in args.rows.split(","))]
         results["capacity-hicache"] = capacity(model, config, 0.1, args.stream, log_dir,
-                                               servers=hicache_servers(config, 0.1))
+                                               servers=servers)
     if "overhead" in parts:
         results["overhead"] = overhead(model, config, args.methods.split(","), 0.1, log_dir)
     servers = {"stock": flags_for(None, 0.1, config),
