@@ -32,7 +32,8 @@ format: setup
 # Session 3 measured 19.8 minutes on a fresh clone (setup 5 min, perf.py 16 min, bench_policy.py
 # 1 min). perf.py's default parts have grown since, and the whole was not timed again: the
 # shipped rows, the decode part (10 min, session 8), capacity over 400 images on two models
-# (22 min, session 10), the workload on a larger model (8 min). Results: runs/perf.json, logs
+# (22 min, session 10), capacity with HiCache (~20 min, session 11), the workload on a larger
+# model (8 min). Results: runs/perf.json, logs
 # runs/perf-logs.
 # Do not run it beside other jobs: see BENCHMARKS.md.
 bench: setup
