@@ -60,12 +60,16 @@ def image(i: int, size: int = IMAGE_SIZE) -> bytes:
     return solid_png(((37 * i) % 256, (91 * i) % 256, (53 * i + 7) % 256), size=size)
 
 
+def head_dim(model: Path) -> int:
+    cfg = json.loads((model / "config.json").read_text())
+    return cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
 def slot_bytes(model: Path, element: int = 2) -> int:
     """Bytes of one KV slot (K and V of every layer): ``element`` bytes per value (2: bf16,
     1: ``--kv-cache-dtype fp8_*``)."""
     cfg = json.loads((model / "config.json").read_text())
-    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
-    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * element
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim(model) * element
 
 
 FP8 = ["--kv-cache-dtype", "fp8_e4m3"]
@@ -140,23 +144,17 @@ def capacity_servers(config: Path, ratio: float) -> list[tuple[str, list[str]]]:
             *SHIPPED_ROW.items()]
 
 
-def head_dim(model: Path) -> int:
-    cfg = json.loads((model / "config.json").read_text())
-    return cfg["hidden_size"] // cfg["num_attention_heads"]
-
-
 def hicache_servers(model: Path, config: Path, ratio: float) -> list[tuple[str, list[str]]]:
     """Stock without and with HiCache, then the plugin (bf16, int8 and int4 host copies) and the
     shipped defaults with HiCache (issue 16: spans resident in host memory count, a hit there
     loads back)."""
     name, shipped = next(iter(SHIPPED_ROW.items()))
-    quantized = []
+    quantized, d = [], head_dim(model)
     for mode in ("int8", "int4"):
         path = config.with_name(f"policy-host-{mode}.json")
         path.write_text(json.dumps({**json.loads(config.read_text()), "host_quantization": mode}))
         # The host tier is sized in slots (--hicache-ratio x the device pool): the same bytes
         # as the bf16 row's hold 2 D / row bytes times the slots.
-        d = head_dim(model)
         host_ratio = float(HICACHE[-1]) * 2 * d / host_row_bytes(d, bits_of(mode))
         quantized.append((f"unicache keep {ratio} + HiCache, {mode} host copies, same host bytes "
                           f"(--hicache-ratio {host_ratio:.2f})",

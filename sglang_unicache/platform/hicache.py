@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from sglang_unicache.quantize import host_row_bytes, pack_host_rows, unpack_host_rows
+from sglang_unicache.quantize import host_bits, host_row_bytes, pack_host_rows, unpack_host_rows
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +61,7 @@ def transfer_kv_direct(src_layers: list[torch.Tensor], dst_layers: list[torch.Te
     for src_layer, dst_layer in zip(src_layers, dst_layers, strict=True):
         rows = src_layer[src]
         if dst_layer.dtype == torch.uint8 and rows.dtype.is_floating_point:  # to a quantized host
-            bits = 8 if dst_layer.shape[-1] == host_row_bytes(rows.shape[-1], 8) else 4
-            dst_layer[dst] = pack_host_rows(rows, bits)
+            dst_layer[dst] = pack_host_rows(rows, host_bits(rows.shape[-1], dst_layer.shape[-1]))
         elif rows.dtype == torch.uint8 and dst_layer.dtype.is_floating_point:  # and back
             dst_layer[dst] = unpack_host_rows(rows, dst_layer.shape[-1], dst_layer.dtype)
         else:
