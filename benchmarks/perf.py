@@ -247,7 +247,7 @@ def main() -> None:
                         help="streaming: methods run with the self-check off, besides stock and "
                              "the shipped defaults (comma-separated, or all)")
     parser.add_argument("--rows", default="",
-                        help="capacity-hicache: run stock and only the rows whose name holds "
+                        help="capacity parts: run stock and only the rows whose name holds "
                              "one of these comma-separated strings")
     parser.add_argument("--out", default="runs/perf.json")
     args = parser.parse_args()
@@ -263,18 +263,22 @@ def main() -> None:
     if "memory" in parts:
         results["memory"] = memory_per_image(model, config,
                                              [float(r) for r in args.ratios.split(",")], log_dir)
+    def named(servers: list) -> list:  # --rows: stock (the ratios' base) and the rows named
+        if not args.rows:
+            return servers
+        return servers[:1] + [row for row in servers[1:]
+                              if any(part in row[0] for part in args.rows.split(","))]
+
     if "capacity" in parts:
-        results["capacity"] = capacity(model, config, 0.1, args.stream, log_dir)
+        results["capacity"] = capacity(model, config, 0.1, args.stream, log_dir,
+                                       servers=named(capacity_servers(config, 0.1)))
     if "capacity-trained" in parts:  # the same on the bundled trained model (64-token images)
         results["capacity-trained"] = capacity(TRAINED_MODEL, config, 0.1, args.stream, log_dir,
-                                               size=224)
+                                               size=224,
+                                               servers=named(capacity_servers(config, 0.1)))
     if "capacity-hicache" in parts:  # spans in HiCache's host tier count (issue 16)
-        servers = hicache_servers(model, config, 0.1)
-        if args.rows:  # stock (the ratios' base) and the rows named
-            servers = servers[:1] + [row for row in servers[1:]
-                                     if any(part in row[0] for part in args.rows.split(","))]
         results["capacity-hicache"] = capacity(model, config, 0.1, args.stream, log_dir,
-                                               servers=servers)
+                                               servers=named(hicache_servers(model, config, 0.1)))
     if "overhead" in parts:
         results["overhead"] = overhead(model, config, args.methods.split(","), 0.1, log_dir)
     servers = {"stock": flags_for(None, 0.1, config),
