@@ -136,8 +136,7 @@ class UniCacheConfig:
     head_merge_threshold: float = 0.88
 
     shallow_rate: float = doc(
-        0.75, "compression rate of the first layer",
-        section="layer rate curve (seed §4.3; used with budget unicache)",
+        0.75, "compression rate of the first layer", section="layer rate curve (seed §4.3)"
     )
     deep_rate: float = doc(0.45, "compression rate of the last layer")
 
