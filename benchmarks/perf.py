@@ -166,6 +166,15 @@ def hicache_servers(model: Path, config: Path, ratio: float) -> list[tuple[str, 
             (f"{name} + HiCache", shipped + HICACHE)]
 
 
+def only_rows(servers: list, rows: str) -> list:
+    """``--rows``: stock (the ratios' base, first) and the servers whose name holds one of the
+    comma-separated ``rows``; every server when ``rows`` is empty."""
+    if not rows:
+        return servers
+    return servers[:1] + [row for row in servers[1:]
+                          if any(part in row[0] for part in rows.split(","))]
+
+
 def capacity(model: Path, config: Path, ratio: float, stream: int, log_dir: Path,
              size: int = IMAGE_SIZE, servers: list | None = None) -> list[dict]:
     """Images still reusable (>= 16 prompt tokens cached) after a stream of distinct images, in a
@@ -263,11 +272,9 @@ def main() -> None:
     if "memory" in parts:
         results["memory"] = memory_per_image(model, config,
                                              [float(r) for r in args.ratios.split(",")], log_dir)
-    def named(servers: list) -> list:  # --rows: stock (the ratios' base) and the rows named
-        if not args.rows:
-            return servers
-        return servers[:1] + [row for row in servers[1:]
-                              if any(part in row[0] for part in args.rows.split(","))]
+
+    def named(servers: list) -> list:
+        return only_rows(servers, args.rows)
 
     if "capacity" in parts:
         results["capacity"] = capacity(model, config, 0.1, args.stream, log_dir,

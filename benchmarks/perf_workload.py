@@ -92,21 +92,35 @@ def conversation(server, png: bytes, turns: int, max_tokens: int) -> list[dict]:
     return outs
 
 
+WORKLOAD_POOL = 6 * (IMAGE_TOKENS + 64)  # about 6 uncompressed image prompts: the pool binds
+
+
+def popular_images(images: int, conversations: int, zipf: float, seed: int) -> list[int]:
+    """The image of each conversation, drawn with Zipf popularity over ``images`` (seeded: a
+    longer draw starts with the shorter one)."""
+    rng = random.Random(seed)
+    return rng.choices(range(images), weights=[1 / (i + 1) ** zipf for i in range(images)],
+                       k=conversations)
+
+
+def converse(server, picks: list[int], turns: int, max_tokens: int,
+             concurrency: int) -> list[dict]:
+    """Every conversation of ``picks`` on ``concurrency`` clients; each turn's output, in order."""
+    with futures.ThreadPoolExecutor(max_workers=concurrency) as clients:
+        convs = clients.map(lambda i: conversation(server, picture(i), turns, max_tokens), picks)
+        return [out for conv in convs for out in conv]
+
+
 def workload(model: Path, servers: dict[str, list[str]], log_dir: Path, *,
              ratio_label: str = "plugin / stock", images: int = 24,
              conversations: int = 48, turns: int = 3, concurrency: int = 8, zipf: float = 1.1,
-             pool: int = 6 * (IMAGE_TOKENS + 64), max_tokens: int = 16, seed: int = 0
+             pool: int = WORKLOAD_POOL, max_tokens: int = 16, seed: int = 0
              ) -> list[dict]:
-    rng = random.Random(seed)
-    picks = rng.choices(range(images), weights=[1 / (i + 1) ** zipf for i in range(images)],
-                        k=conversations)
+    picks = popular_images(images, conversations, zipf, seed)
 
     def measure(server) -> dict:
         offset, start = len(server.log()), time.perf_counter()
-        with futures.ThreadPoolExecutor(max_workers=concurrency) as clients:
-            convs = clients.map(lambda i: conversation(server, picture(i), turns, max_tokens),
-                                picks)
-            outs = [out for conv in convs for out in conv]
+        outs = converse(server, picks, turns, max_tokens, concurrency)
         wall = time.perf_counter() - start
         usage = [out["usage"] for out in outs]
         prompt = sum(u["prompt_tokens"] for u in usage)

@@ -11,15 +11,13 @@ prints one JSON line: wall time, tokens prefilled, output tokens per second and 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as futures
 import json
-import random
 import time
 from pathlib import Path
 
 from benchmarks import scheduler_phases
 from benchmarks.perf import SHIPPED_ROW, WORKLOAD_MODEL, flags_for
-from benchmarks.perf_workload import IMAGE_TOKENS, conversation, logged, picture, warmed
+from benchmarks.perf_workload import WORKLOAD_POOL, converse, logged, popular_images, warmed
 from tests.support.tiny_vlm import build_tiny_qwen2_vl
 
 
@@ -38,18 +36,14 @@ def main() -> None:
     config.write_text(json.dumps({"selfcheck": False}))
     flags = {"stock": flags_for(None, 0.1, config), "knorm": flags_for("knorm", 0.1, config),
              "shipped": next(iter(SHIPPED_ROW.values()))}[args.server]
-    rng = random.Random(0)  # the same draw as perf_workload.workload
-    picks = rng.choices(range(24), weights=[1 / (i + 1) ** 1.1 for i in range(24)],
-                        k=args.conversations)
-    pool = ["--max-total-tokens", str(6 * (IMAGE_TOKENS + 64))]
+    picks = popular_images(24, args.conversations, 1.1, 0)  # perf_workload.workload's draw
+    pool = ["--max-total-tokens", str(WORKLOAD_POOL)]
     with warmed(model, flags + pool, work / f"{args.server}.log") as server:
         offset = len(server.log())
         sampler = scheduler_phases.record(server, work / f"{args.server}.pyspy")
         start = time.perf_counter()
         try:
-            with futures.ThreadPoolExecutor(max_workers=8) as clients:
-                convs = clients.map(lambda i: conversation(server, picture(i), 3, 16), picks)
-                outs = [out for conv in convs for out in conv]
+            outs = converse(server, picks, turns=3, max_tokens=16, concurrency=8)
         finally:
             scheduler_phases.stop(sampler)
         wall = time.perf_counter() - start
