@@ -136,7 +136,8 @@ class UniCacheConfig:
     head_merge_threshold: float = 0.88
 
     shallow_rate: float = doc(
-        0.75, "compression rate of the first layer", section="layer rate curve (seed §4.3)"
+        0.75, "compression rate of the first layer",
+        section="layer rate curve (seed §4.3; used with budget unicache)",
     )
     deep_rate: float = doc(0.45, "compression rate of the last layer")
 

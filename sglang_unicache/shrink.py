@@ -20,12 +20,17 @@ from torch import Tensor
 __all__ = ["shrink_order", "shrunk_count"]
 
 
-def shrunk_count(current: int, original: int, factor: float, floor: float,
-                 protected: int = 0) -> int:
+def shrunk_count(current: int, original: int, factor: float, floor: float) -> int:
     """Entries a span of ``current`` entries (``original`` tokens before compression) keeps
-    after one re-compression: ``ceil(current * factor)``, never below ``ceil(original * floor)``,
-    the ``protected`` count or 1. Returns ``current`` when the span is already at its floor."""
-    lowest = max(1, math.ceil(original * floor), protected)
+    after one re-compression: ``ceil(current * factor)``, never below ``ceil(original * floor)``
+    or 1. Returns ``current`` when the span is already at its floor.
+
+    Alignment-protected entries are no floor: compression caps them at the smallest layer budget
+    (``policies.alignment``), and a re-compression is a smaller budget, so they are kept first
+    (they rank highest) and dropped last. As a floor they froze every span whose smallest layer
+    they filled (a uniform budget: all of them), and the span was evicted instead of halved
+    (BENCHMARKS.md, "Defaults as shipped", session 13)."""
+    lowest = max(1, math.ceil(original * floor))
     return max(min(current, lowest), math.ceil(current * factor))
 
 

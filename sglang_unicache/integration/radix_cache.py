@@ -358,8 +358,7 @@ class CompressedRadixCache(UnifiedRadixCache):
             return 0
         at, meta = found[-1]
         settings = self.settings
-        k_new = shrunk_count(meta.count, meta.length, settings.factor, settings.floor,
-                             meta.protected_entries())
+        k_new = shrunk_count(meta.count, meta.length, settings.factor, settings.floor)
         if k_new >= meta.count:
             return 0
         new_ids = settings.naming.ids(meta.pad, meta.start, k_new)

@@ -75,13 +75,6 @@ class SpanMeta:
     def count(self) -> int:
         return len(self.ids)
 
-    def protected_entries(self) -> int:
-        """The most protected entries any (layer, head) holds: the floor of a re-compression."""
-        if self.protected.numel() == 0:
-            return 0
-        hit = torch.isin(self.kept, self.protected.to(self.kept.dtype))
-        return int(hit.sum(-1).max())
-
     def shrink(self, keep: torch.Tensor, ids: tuple[int, ...]) -> None:
         """Keep entries ``keep`` (``[L, H, K']`` indices into the current K) under ``ids``."""
         keep = keep.to(torch.int64)

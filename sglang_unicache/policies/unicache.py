@@ -14,6 +14,13 @@
 - Layer-dependent weights (seed §4.3): first third of the layers w_d = 0.3, last third w_a = 0.5,
   middle third the defaults 0.4/0.3/0.2/0.1.
 
+Budget (departure from §4.3): every layer keeps K = round(keep * N) entries. The seed's cosine
+layer curve (shallow layers compress more) is ``budget: unicache``; in SGLang's pool a slot spans
+every layer (DESIGN §5), so the curve holds ``max_l K_l`` slots (8 instead of 6 of a 64-token
+image at keep 0.1) and the entries it takes from shallow layers free no memory. Measured as
+shipped on the trained model (BENCHMARKS.md, "Defaults as shipped", session 12): the same answers
+with 7.4 slots per image instead of 8, the self-check escalating the images 6 slots do not keep.
+
 Query robustness (DESIGN §5, ours, not in the seed): a span compressed after question 1 is reused
 for questions 2..N. The question-dependent parts are blended with a question-free saliency u (low
 key norm, normalised within modality; the knorm signal): ``a' = q*a + (1-q)*u``, same for c, with
@@ -87,7 +94,7 @@ class UniCacheScorer:
         return wa * a + wc * c - wd * d + wr * r
 
 
-method("unicache", scorer="unicache", budget="unicache", reducer="merge",
-       summary="UniCache: unified scores, cosine layer curve, merge (seed 000)",
+method("unicache", scorer="unicache", budget="uniform", reducer="merge",
+       summary="UniCache: unified scores, one budget for every layer, merge (seed 000)",
        anchor_fraction=lambda c: c.anchor_fraction,
        protects_alignment=lambda c: c.protect_alignment)

@@ -33,9 +33,20 @@ def test_cosine_schedule_matches_seed_thirds() -> None:
 
 def test_unicache_budget_profile_and_level() -> None:
     inp = make_inputs(layers=3, spans=((0, 100),), tokens=110)
-    plan = build_method(UniCacheConfig(keep_ratio=0.4, anchor_fraction=0.0)).plan(inp).spans[0]
+    cfg = UniCacheConfig(keep_ratio=0.4, anchor_fraction=0.0, budget="unicache")
+    plan = build_method(cfg).plan(inp).spans[0]
     # keep fractions 0.25/0.40/0.55 scaled to mean 0.4 -> 25/40/55 of 100 tokens
     assert [lp.budget for lp in plan.layers] == [25, 40, 55]
+    assert plan.physical_slots == 55
+
+
+def test_unicache_default_budget_holds_the_asked_share_of_slots() -> None:
+    """The default method keeps round(keep * N) in every layer: the slots a pool holds are the
+    keep ratio asked for, not the curve's largest layer (DESIGN §5)."""
+    inp = make_inputs(layers=3, spans=((0, 100),), tokens=110)
+    plan = build_method(UniCacheConfig(keep_ratio=0.4, anchor_fraction=0.0)).plan(inp).spans[0]
+    assert [lp.budget for lp in plan.layers] == [40, 40, 40]
+    assert plan.physical_slots == 40
 
 
 def test_pyramid_factors() -> None:

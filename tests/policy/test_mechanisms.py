@@ -300,7 +300,7 @@ def test_query_weight_zero_makes_selection_question_free() -> None:
 
 def test_layer_fill_next_uses_every_physical_slot() -> None:
     inp = make_inputs()
-    plan = build_method(UniCacheConfig(layer_fill="next")).plan(inp).spans[0]
+    plan = build_method(UniCacheConfig(layer_fill="next", budget="unicache")).plan(inp).spans[0]
     assert all(lp.num_kept == plan.physical_slots for lp in plan.layers)
     assert len({lp.budget for lp in plan.layers}) > 1
     assert plan.bytes.nominal == plan.bytes.physical

@@ -151,6 +151,29 @@ def test_pressure_recompresses_a_cached_span_before_evicting_it(cache):
     cache.sanity_check()
 
 
+def test_alignment_protected_entries_are_shrunk_last_not_a_floor(cache):
+    """A span whose every entry is alignment-protected (a uniform budget fills the smallest layer
+    with them) is halved under pressure like any other: protection ranks entries, it does not
+    freeze the span. As a floor it made re-compression evict such spans whole (session 13)."""
+    allocator = cache.token_to_kv_pool_allocator
+    baseline = allocator.available_size()
+    meta, _ = make_span(cache)
+    meta.protected = torch.unique(meta.kept.to(torch.int64))
+    meta.priority = meta.priority + 9.0  # every entry ranks as protected
+    order = meta.kept.clone()
+    keep = meta.priority.topk(K // 2).indices.sort().values
+
+    cache.evict(EvictParams(num_tokens=1))
+
+    assert meta.count == K // 2 and meta.recompressions == 1
+    assert torch.equal(meta.kept, order.gather(-1, keep))  # the highest-ranked protected ones
+    assert matched(cache, meta.ids) == len(PREFIX) + K // 2
+    cache.sanity_check()
+    cache.evict(EvictParams(num_tokens=POOL))
+    assert allocator.available_size() == baseline
+    cache.sanity_check()
+
+
 def test_recompression_onto_a_sibling_with_the_same_key_evicts_instead(cache):
     """Issue 14 defect 2: shrinking a span to the K of a same-image sibling re-keyed the node
     over the sibling, and the next eviction raised KeyError (the scheduler died)."""
