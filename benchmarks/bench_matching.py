@@ -54,7 +54,7 @@ def build(spans: int):
         node = tree.match_prefix(MatchPrefixParams(key=key)).last_device_node
         meta = SpanMeta((None, None), 1_000_000 + i, TEXT, 64, ids,
                         torch.zeros(1, 1, K, dtype=torch.int32), torch.zeros(1, 1, K),
-                        torch.empty(0, dtype=torch.int64), None, "unicache", 0.1)
+                        None, "unicache", 0.1)
         tree.attach(tree.node_holding(node, ids[0]), meta)
         tree.spans.add(meta)
     return tree

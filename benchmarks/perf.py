@@ -272,20 +272,17 @@ def main() -> None:
     if "memory" in parts:
         results["memory"] = memory_per_image(model, config,
                                              [float(r) for r in args.ratios.split(",")], log_dir)
-
-    def named(servers: list) -> list:
-        return only_rows(servers, args.rows)
-
+    capacity_rows = only_rows(capacity_servers(config, 0.1), args.rows)
     if "capacity" in parts:
         results["capacity"] = capacity(model, config, 0.1, args.stream, log_dir,
-                                       servers=named(capacity_servers(config, 0.1)))
+                                       servers=capacity_rows)
     if "capacity-trained" in parts:  # the same on the bundled trained model (64-token images)
         results["capacity-trained"] = capacity(TRAINED_MODEL, config, 0.1, args.stream, log_dir,
-                                               size=224,
-                                               servers=named(capacity_servers(config, 0.1)))
+                                               size=224, servers=capacity_rows)
     if "capacity-hicache" in parts:  # spans in HiCache's host tier count (issue 16)
-        results["capacity-hicache"] = capacity(model, config, 0.1, args.stream, log_dir,
-                                               servers=named(hicache_servers(model, config, 0.1)))
+        results["capacity-hicache"] = capacity(
+            model, config, 0.1, args.stream, log_dir,
+            servers=only_rows(hicache_servers(model, config, 0.1), args.rows))
     if "overhead" in parts:
         results["overhead"] = overhead(model, config, args.methods.split(","), 0.1, log_dir)
     servers = {"stock": flags_for(None, 0.1, config),

@@ -392,7 +392,6 @@ class Controller:
                 priority=torch.stack([
                     lp.priority if lp.priority is not None
                     else torch.zeros(lp.kept.shape) for lp in layers]).float().cpu(),
-                protected=span_plan.protected.cpu(),
                 merged=(torch.stack([lp.assign for lp in layers]).to(torch.int16).cpu()
                         if any(lp.merges for lp in layers) else None),
                 method=span_plan.method, keep_ratio=keep_ratio,

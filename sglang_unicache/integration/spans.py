@@ -5,8 +5,9 @@ A compressed span is keyed in the tree by K token ids derived from the image, it
 config and K itself (``SpanNaming.ids``), so spans of different budgets never share an
 id and the radix tree never splits one (its first id is unique, and no other key contains a
 prefix of it). ``SpanMeta`` is the span's node metadata: original length, the source position
-each entry holds per layer and KV head, merge groups, alignment-protected positions, method,
-budget, self-check result and selection priorities (what re-compression under pressure reads).
+each entry holds per layer and KV head, merge groups, method, budget, self-check result and
+selection priorities (what re-compression under pressure reads; alignment-protected entries rank
+highest, so the priorities carry the protection).
 The tree core attaches it to the node holding the span (``radix_cache.py``); ``SpanIndex`` finds
 it from an image (for match-time rewrites).
 """
@@ -59,7 +60,6 @@ class SpanMeta:
     ids: tuple[int, ...]  # the K token ids keying the span in the tree
     kept: torch.Tensor  # [L, H, K] int32 source position (span-relative) of each entry
     priority: torch.Tensor  # [L, H, K] float32 selection priority of each entry
-    protected: torch.Tensor  # [P] int64 alignment-protected source positions (every layer/head)
     merged: torch.Tensor | None  # [L, H, N] int16 entry each source folded into (-1 evicted)
     method: str
     keep_ratio: float

@@ -69,8 +69,7 @@ def make_span(tree) -> tuple[SpanMeta, torch.Tensor]:
     priority[..., 5] = 9.0  # protected entries outrank every score (compressor.selection_key)
     meta = SpanMeta(namespace=(None, None), pad=PAD, start=START, length=LENGTH, ids=ids,
                     kept=kept.to(torch.int32), priority=priority,
-                    protected=torch.tensor([PROTECTED_SOURCE]), merged=None, method="knorm",
-                    keep_ratio=0.25)
+                    merged=None, method="knorm", keep_ratio=0.25)
     key = RadixKey(array("q", PREFIX + list(ids) + TAIL))
     tree.insert(InsertParams(key=key, value=slots.to(torch.int64)))
     node_id = tree.match_prefix(MatchPrefixParams(key=key)).last_device_node
@@ -158,7 +157,6 @@ def test_alignment_protected_entries_are_shrunk_last_not_a_floor(cache):
     allocator = cache.token_to_kv_pool_allocator
     baseline = allocator.available_size()
     meta, _ = make_span(cache)
-    meta.protected = torch.unique(meta.kept.to(torch.int64))
     meta.priority = meta.priority + 9.0  # every entry ranks as protected
     order = meta.kept.clone()
     keep = meta.priority.topk(K // 2).indices.sort().values
@@ -225,7 +223,7 @@ def test_a_shrunk_span_goes_to_the_back_of_the_eviction_order(cache):
     other_ids = cache.settings.naming.ids(PAD + 1, START, K)
     second = SpanMeta(namespace=(None, None), pad=PAD + 1, start=START, length=LENGTH,
                       ids=other_ids, kept=first.kept.clone(), priority=first.priority.clone(),
-                      protected=first.protected, merged=None, method="knorm", keep_ratio=0.25)
+                      merged=None, method="knorm", keep_ratio=0.25)
     key = RadixKey(array("q", PREFIX + list(other_ids) + TAIL))
     cache.insert(InsertParams(key=key, value=allocator.alloc(len(key)).to(torch.int64)))
     node = cache.match_prefix(MatchPrefixParams(key=key)).last_device_node

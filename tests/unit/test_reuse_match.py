@@ -31,8 +31,7 @@ def waiting(tree_holds: int):
     meta = SpanMeta(namespace=(None, None), pad=PAD, start=START, length=N,
                     ids=controller.naming.ids(PAD, START, K),
                     kept=torch.zeros(1, 1, K, dtype=torch.int32), priority=torch.zeros(1, 1, K),
-                    protected=torch.empty(0, dtype=torch.int64), merged=None, method="unicache",
-                    keep_ratio=0.25)
+                    merged=None, method="unicache", keep_ratio=0.25)
     index.add(meta)
     seen = []
 
