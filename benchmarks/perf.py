@@ -246,6 +246,9 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=48, help="workload: conversations")
     parser.add_argument("--turns", type=int, default=3, help="workload: turns per conversation")
     parser.add_argument("--clients", type=int, default=8, help="workload: concurrent clients")
+    parser.add_argument("--image-px", type=int, default=IMAGE_SIZE,
+                        help="workload-large: image side in px (448: 256 visual tokens, 896: "
+                             "1,024); the pool scales with it (perf_workload.workload_pool)")
     parser.add_argument("--decode-batch", type=int, default=8, help="decode: concurrent requests")
     parser.add_argument("--max-batch", type=int, default=64, help="concurrency: largest b tried")
     parser.add_argument("--workload-model", help="checkpoint of the workload-large part "
@@ -293,11 +296,13 @@ def main() -> None:
                                        concurrency=args.clients)
     if "workload-large" in parts:
         large = Path(args.workload_model) if args.workload_model else build_tiny_qwen2_vl(
-            work / "tiny-qwen2-vl-workload", **WORKLOAD_MODEL)
+            work / f"tiny-qwen2-vl-workload-{args.image_px}",
+            **{**WORKLOAD_MODEL, "image_size": args.image_px})
         results["workload-large"] = workload(large, {**servers, **SHIPPED_ROW}, log_dir,
                                              images=args.images,
                                              conversations=args.conversations,
-                                             turns=args.turns, concurrency=args.clients)
+                                             turns=args.turns, concurrency=args.clients,
+                                             image_px=args.image_px)
     if "decode" in parts:
         decode_model = Path(args.decode_model) if args.decode_model else build_tiny_qwen2_vl(
             work / "tiny-qwen2-vl-decode", **DECODE_MODEL)

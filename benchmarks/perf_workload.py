@@ -92,7 +92,9 @@ def conversation(server, png: bytes, turns: int, max_tokens: int) -> list[dict]:
     return outs
 
 
-WORKLOAD_POOL = 6 * (IMAGE_TOKENS + 64)  # about 6 uncompressed image prompts: the pool binds
+def workload_pool(image_px: int = 448) -> int:
+    """About 6 uncompressed prompts of ``image_px`` images: the workload's pool binds."""
+    return 6 * ((image_px // 28) ** 2 + 64)
 
 
 def popular_images(images: int, conversations: int, zipf: float, seed: int) -> list[int]:
@@ -104,23 +106,27 @@ def popular_images(images: int, conversations: int, zipf: float, seed: int) -> l
 
 
 def converse(server, picks: list[int], turns: int, max_tokens: int,
-             concurrency: int) -> list[dict]:
+             concurrency: int, image_px: int = 448) -> list[dict]:
     """Every conversation of ``picks`` on ``concurrency`` clients; each turn's output, in order."""
     with futures.ThreadPoolExecutor(max_workers=concurrency) as clients:
-        convs = clients.map(lambda i: conversation(server, picture(i), turns, max_tokens), picks)
+        convs = clients.map(
+            lambda i: conversation(server, picture(i, image_px), turns, max_tokens), picks)
         return [out for conv in convs for out in conv]
 
 
 def workload(model: Path, servers: dict[str, list[str]], log_dir: Path, *,
              ratio_label: str = "plugin / stock", images: int = 24,
              conversations: int = 48, turns: int = 3, concurrency: int = 8, zipf: float = 1.1,
-             pool: int = WORKLOAD_POOL, max_tokens: int = 16, seed: int = 0
-             ) -> list[dict]:
+             image_px: int = 448, pool: int | None = None, max_tokens: int = 16,
+             seed: int = 0) -> list[dict]:
+    """Part 3 with ``image_px`` images (448: 256 visual tokens, 896: 1,024) in a pool of
+    ``workload_pool(image_px)`` tokens unless ``pool`` is given."""
     picks = popular_images(images, conversations, zipf, seed)
+    pool = pool or workload_pool(image_px)
 
     def measure(server) -> dict:
         offset, start = len(server.log()), time.perf_counter()
-        outs = converse(server, picks, turns, max_tokens, concurrency)
+        outs = converse(server, picks, turns, max_tokens, concurrency, image_px)
         wall = time.perf_counter() - start
         usage = [out["usage"] for out in outs]
         prompt = sum(u["prompt_tokens"] for u in usage)
@@ -131,7 +137,8 @@ def workload(model: Path, servers: dict[str, list[str]], log_dir: Path, *,
         ttft = [1000 * out["times"][0] for out in outs]
         states = requests.get(f"{server.url}/server_info", timeout=30).json()["internal_states"]
         compressed = sum(s.get("unicache", {}).get("images_compressed", 0) for s in states)
-        return {"pool_tokens": pool, "requests": len(outs), "prompt_tokens": prompt,
+        return {"pool_tokens": pool, "image_tokens": (image_px // 28) ** 2,
+                "requests": len(outs), "prompt_tokens": prompt,
                 "hit_rate": round(1 - prefilled / prompt, 3),
                 "usage_cached_share": round(cached / prompt, 3),
                 "ttft_p50_ms": round(percentile(ttft, 0.5)),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from benchmarks import scheduler_phases
 from benchmarks.perf import SHIPPED_ROW, WORKLOAD_MODEL, flags_for
-from benchmarks.perf_workload import WORKLOAD_POOL, converse, logged, popular_images, warmed
+from benchmarks.perf_workload import converse, logged, popular_images, warmed, workload_pool
 from tests.support.tiny_vlm import build_tiny_qwen2_vl
 
 
@@ -25,25 +25,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("server", choices=("stock", "knorm", "shipped"))
     parser.add_argument("--conversations", type=int, default=48)
+    parser.add_argument("--image-px", type=int, default=448,
+                        help="image side in px (448: 256 visual tokens, 896: 1,024)")
     parser.add_argument("--work", default="runs/workload-phases")
     args = parser.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    model = work / "model"
+    model = work / f"model-{args.image_px}"
     if not (model / "config.json").exists():
-        build_tiny_qwen2_vl(model, **WORKLOAD_MODEL)
+        build_tiny_qwen2_vl(model, **{**WORKLOAD_MODEL, "image_size": args.image_px})
     config = work / "policy.json"
     config.write_text(json.dumps({"selfcheck": False}))
     flags = {"stock": flags_for(None, 0.1, config), "knorm": flags_for("knorm", 0.1, config),
              "shipped": next(iter(SHIPPED_ROW.values()))}[args.server]
     picks = popular_images(24, args.conversations, 1.1, 0)  # perf_workload.workload's draw
-    pool = ["--max-total-tokens", str(WORKLOAD_POOL)]
+    pool = ["--max-total-tokens", str(workload_pool(args.image_px))]
     with warmed(model, flags + pool, work / f"{args.server}.log") as server:
         offset = len(server.log())
-        sampler = scheduler_phases.record(server, work / f"{args.server}.pyspy")
+        sampler = scheduler_phases.record(server, work / f"{args.server}-{args.image_px}.pyspy")
         start = time.perf_counter()
         try:
-            outs = converse(server, picks, turns=3, max_tokens=16, concurrency=8)
+            outs = converse(server, picks, turns=3, max_tokens=16, concurrency=8,
+                            image_px=args.image_px)
         finally:
             scheduler_phases.stop(sampler)
         wall = time.perf_counter() - start
@@ -52,7 +55,7 @@ def main() -> None:
         "server": args.server, "wall_s": round(wall, 1), "tokens_prefilled": prefilled,
         "prompt_tokens": sum(o["usage"]["prompt_tokens"] for o in outs),
         "output_tok_s": round(sum(o["usage"]["completion_tokens"] for o in outs) / wall, 1),
-        "phases": scheduler_phases.phases(work / f"{args.server}.pyspy")}))
+        "phases": scheduler_phases.phases(work / f"{args.server}-{args.image_px}.pyspy")}))
 
 
 if __name__ == "__main__":

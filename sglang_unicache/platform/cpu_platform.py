@@ -9,7 +9,7 @@ from sglang.srt.platforms.cpu import CpuDeviceMixin
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
-from sglang_unicache.platform import hicache
+from sglang_unicache.platform import hicache, vision
 from sglang_unicache.platform.cpu import default_max_total_tokens, threads_bind
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class UniCacheCpuPlatform(CpuDeviceMixin, SRTPlatform):
 
     def init_backend(self) -> None:
         hicache.install()
+        vision.install()
 
     @staticmethod
     def _bind_threads(server_args) -> None:
