@@ -136,7 +136,9 @@ def workload(model: Path, servers: dict[str, list[str]], log_dir: Path, *,
         cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usage)
         ttft = [1000 * out["times"][0] for out in outs]
         states = requests.get(f"{server.url}/server_info", timeout=30).json()["internal_states"]
-        compressed = sum(s.get("unicache", {}).get("images_compressed", 0) for s in states)
+        plugin = [s.get("unicache", {}) for s in states]
+        compressed, escalations = (sum(p.get(key, 0) for p in plugin)
+                                   for key in ("images_compressed", "escalations"))
         return {"pool_tokens": pool, "image_tokens": (image_px // 28) ** 2,
                 "requests": len(outs), "prompt_tokens": prompt,
                 "hit_rate": round(1 - prefilled / prompt, 3),
@@ -144,7 +146,8 @@ def workload(model: Path, servers: dict[str, list[str]], log_dir: Path, *,
                 "ttft_p50_ms": round(percentile(ttft, 0.5)),
                 "ttft_p99_ms": round(percentile(ttft, 0.99)),
                 "output_tok_s": round(sum(u["completion_tokens"] for u in usage) / wall, 1),
-                "requests_s": round(len(outs) / wall, 2), "images_compressed": compressed}
+                "requests_s": round(len(outs) / wall, 2), "images_compressed": compressed,
+                "escalations": escalations}
 
     return on_each(model, servers, ["--max-total-tokens", str(pool)], log_dir / "workload",
                    measure, ["hit_rate", "ttft_p50_ms", "ttft_p99_ms", "output_tok_s",

@@ -18,6 +18,9 @@ passes ``--max-total-tokens``, and turns on ``sleep_on_idle`` (an idle scheduler
 spin a core at 100%; so would the data-parallel controller, which the plugin's
 ``around_dp_event_loop`` makes block on its socket when that flag is on).
 
+Each worker's vision tower attends one image at a time (``vision.py``: SGLang's CPU path
+masks a whole prefill batch as one sequence), and HiCache gets its CPU pieces (``hicache.py``).
+
 With more ranks (``dp x tp x pp``) than NUMA nodes and no ``SGLANG_CPU_OMP_THREADS_BIND``,
 SGLang refuses to start; the platform then sets that variable, splitting this process's CPUs
 evenly between the ranks (``threads_bind``).
