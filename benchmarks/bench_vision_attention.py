@@ -42,7 +42,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     module = VisionSdpaAttention(head_dim=args.head_dim, num_heads=args.heads,
                                  num_kv_heads=args.heads, flatten_batch=True)
-    sglang_forward = getattr(VisionSdpaAttention, vision._ORIGINAL, VisionSdpaAttention.forward)
+    sglang_forward = vision.sglang_forward(VisionSdpaAttention)
     torch.manual_seed(0)
     for count in (int(x) for x in args.images.split(",")):
         s = count * args.patches

@@ -36,6 +36,11 @@ IMAGE_TOKENS = 256  # a 448 px image on the tiny model
 QUESTIONS = ["what colour is it?", "describe the picture", "how many shapes are there?"]
 
 
+def visual_tokens(image_px: int) -> int:
+    """Visual tokens of an ``image_px`` square image on the tiny models (28 px a token)."""
+    return (image_px // 28) ** 2
+
+
 def picture(i: int, size: int = 448) -> bytes:
     """Image ``i`` (distinct for i < 65,536): 448 px is 256 visual tokens, 896 px 1,024."""
     return solid_png((i % 256, (i // 256) % 256, (97 * i + 5) % 256), size=size)
@@ -94,7 +99,7 @@ def conversation(server, png: bytes, turns: int, max_tokens: int) -> list[dict]:
 
 def workload_pool(image_px: int = 448) -> int:
     """About 6 uncompressed prompts of ``image_px`` images: the workload's pool binds."""
-    return 6 * ((image_px // 28) ** 2 + 64)
+    return 6 * (visual_tokens(image_px) + 64)
 
 
 def popular_images(images: int, conversations: int, zipf: float, seed: int) -> list[int]:
@@ -117,12 +122,11 @@ def converse(server, picks: list[int], turns: int, max_tokens: int,
 def workload(model: Path, servers: dict[str, list[str]], log_dir: Path, *,
              ratio_label: str = "plugin / stock", images: int = 24,
              conversations: int = 48, turns: int = 3, concurrency: int = 8, zipf: float = 1.1,
-             image_px: int = 448, pool: int | None = None, max_tokens: int = 16,
-             seed: int = 0) -> list[dict]:
+             image_px: int = 448, max_tokens: int = 16, seed: int = 0) -> list[dict]:
     """Part 3 with ``image_px`` images (448: 256 visual tokens, 896: 1,024) in a pool of
-    ``workload_pool(image_px)`` tokens unless ``pool`` is given."""
+    ``workload_pool(image_px)`` tokens."""
     picks = popular_images(images, conversations, zipf, seed)
-    pool = pool or workload_pool(image_px)
+    pool = workload_pool(image_px)
 
     def measure(server) -> dict:
         offset, start = len(server.log()), time.perf_counter()
@@ -139,7 +143,7 @@ def workload(model: Path, servers: dict[str, list[str]], log_dir: Path, *,
         plugin = [s.get("unicache", {}) for s in states]
         compressed, escalations = (sum(p.get(key, 0) for p in plugin)
                                    for key in ("images_compressed", "escalations"))
-        return {"pool_tokens": pool, "image_tokens": (image_px // 28) ** 2,
+        return {"pool_tokens": pool, "image_tokens": visual_tokens(image_px),
                 "requests": len(outs), "prompt_tokens": prompt,
                 "hit_rate": round(1 - prefilled / prompt, 3),
                 "usage_cached_share": round(cached / prompt, 3),
@@ -179,7 +183,7 @@ def decode(model: Path, servers: dict[str, list[str]], log_dir: Path, *, batch: 
     """Time per output token while all ``batch`` requests decode together: counted from the
     moment the last request got its first token (every prefill done) to the end of each
     request, so prefill stalls of requests still arriving stay out of it."""
-    image_tokens = (image_px // 28) ** 2
+    image_tokens = visual_tokens(image_px)
     bodies = multi_image_bodies(batch, images, image_px, max_tokens)
 
     def measure(server) -> dict:
@@ -262,7 +266,7 @@ def streaming(model: Path, servers: dict[str, list[str]], log_dir: Path, *, batc
     Each server's row carries its ratios to the first server (stock): ``tpot_vs_stock`` and
     ``last_token_vs_stock``."""
     bodies = multi_image_bodies(batch, images, image_px, max_tokens)
-    pool = batch * (images * (image_px // 28) ** 2 + 64 + max_tokens)
+    pool = batch * (images * visual_tokens(image_px) + 64 + max_tokens)
     extra = ["--max-total-tokens", str(pool), "--max-running-requests", str(batch)]
     rows = []
     for i, (name, flags) in enumerate(servers.items()):

@@ -40,7 +40,7 @@ def main() -> None:
              "shipped": next(iter(SHIPPED_ROW.values()))}[args.server]
     picks = popular_images(24, args.conversations, 1.1, 0)  # perf_workload.workload's draw
     pool = ["--max-total-tokens", str(workload_pool(args.image_px))]
-    with warmed(model, flags + pool, work / f"{args.server}.log") as server:
+    with warmed(model, flags + pool, work / f"{args.server}-{args.image_px}.log") as server:
         offset = len(server.log())
         sampler = scheduler_phases.record(server, work / f"{args.server}-{args.image_px}.pyspy")
         start = time.perf_counter()

@@ -39,6 +39,11 @@ def segments(cu_seqlens: torch.Tensor | None, total: int) -> list[tuple[int, int
     return [(start, end) for start, end in pairwise(bounds) if end > start]
 
 
+def sglang_forward(cls):
+    """SGLang's own ``forward`` of ``cls``: the one ``install`` kept aside, else the class's."""
+    return getattr(cls, _ORIGINAL, cls.forward)
+
+
 def forward_by_segment(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bsz: int,
                        cu_seqlens: torch.Tensor | None = None,
                        attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
@@ -48,10 +53,8 @@ def forward_by_segment(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             and not self.softmax_in_single_precision and self.num_heads == self.num_kv_heads):
         spans = segments(cu_seqlens, q.shape[0])
     if spans is None:
-        # SGLang's forward: kept aside by ``install``, or still the class's own
-        forward = getattr(type(self), _ORIGINAL, type(self).forward)
-        return forward(self, q, k, v, bsz, cu_seqlens=cu_seqlens,
-                       attention_mask=attention_mask, **kwargs)
+        return sglang_forward(type(self))(self, q, k, v, bsz, cu_seqlens=cu_seqlens,
+                                          attention_mask=attention_mask, **kwargs)
     heads, dim = self.num_heads, self.head_size
     out = q.new_empty(q.shape[0], heads, dim)
     for start, end in spans:

@@ -23,8 +23,7 @@ def qkv(n: int, dtype=torch.float32):
 
 
 def original(module, *args, **kwargs):
-    forward = getattr(type(module), vision._ORIGINAL, type(module).forward)
-    return forward(module, *args, **kwargs)
+    return vision.sglang_forward(type(module))(module, *args, **kwargs)
 
 
 def test_segments_tile_the_sequence_or_are_refused():
