@@ -35,7 +35,7 @@ from .budgets.base import LayerBudget
 from .budgets.modality import ModalityBudget
 from .catalog import from_config
 from .checks.dynamic_rate import DynamicRate
-from .checks.selfcheck import SelfCheck
+from .checks.selfcheck import CONTENT_LAYER, SelfCheck
 from .config import UniCacheConfig
 from .context import PlanContext
 from .executor import execute
@@ -142,15 +142,47 @@ class Method:
             n_v = int(ctx.is_visual.sum())
             keep, complexity = self.dynamic_rate.keep_ratio(n_v, inputs.num_tokens - n_v, n_align)
         use_align = align_score if self.protects_alignment else None
+        keep, escalations = self._skip_hopeless(ctx, keep, identity)
         plans, check = self._plan_spans(ctx, scores, keep, use_align, identity)
-        escalations = 0
         while check is not None and not check.passed and keep < cfg.escalate_max_keep:
             # A failed check doubles the budget up to the cap before the caller falls back to the
             # full KV (seed §7.1 fallback made graded; the scores are reused, only K changes).
-            keep = min(2.0 * keep, cfg.escalate_max_keep)
-            escalations += 1
+            keep, skipped = self._skip_hopeless(ctx, min(2.0 * keep, cfg.escalate_max_keep),
+                                                identity)
+            escalations += 1 + skipped
             plans, check = self._plan_spans(ctx, scores, keep, use_align, identity)
         return RequestPlan(self.name, plans, keep, check, complexity, alignment, escalations)
+
+    def _skip_hopeless(self, ctx: PlanContext, keep: float, identity: bool) -> tuple[float, int]:
+        """(the first keep ratio from ``keep`` up the escalation ladder whose plan *can* pass the
+        self-check's ``content_lost`` half, how many doublings that skipped). A level is
+        hopeless when even the best kept set of its size, each head's top-K tokens by content
+        (``SelfCheck.content_hopeless``), loses more than the threshold; its plan would be built
+        and checked only to fail. The cap is always planned (its check is the one reported).
+        The outcome is the one stepping through every level gives, without the failed plans:
+        on random weights most images failed there, three plans and checks each."""
+        cap = self.config.escalate_max_keep
+        if self.selfcheck is None or identity:
+            return keep, 0
+        skipped = 0
+        while keep < cap and self.selfcheck.content_hopeless(ctx, self._content_counts(ctx, keep)):
+            keep = min(2.0 * keep, cap)
+            skipped += 1
+        return keep, skipped
+
+    def _content_counts(self, ctx: PlanContext, keep: float) -> list[tuple[ImageSpan, int]]:
+        """Each planned span with the entries its plan keeps in the self-check's content layer
+        at ``keep`` (the same count ``_plan_segment`` gives that layer)."""
+        keep_v, keep_t = (keep, 1.0) if self.modality is None else self.modality.keep(ctx, keep)
+        out = []
+        for seg in ctx.segments:
+            if seg.modality == "image" and seg.length < self.config.min_image_tokens:
+                continue  # skipped: kept whole
+            seg_keep = keep_v if seg.modality == "image" else keep_t
+            n_forced = int(self._forced(ctx, seg, False).sum())
+            counts = self._fill(self._budgets(ctx, seg, seg_keep, n_forced))
+            out.append((seg, int(counts[CONTENT_LAYER])))
+        return out
 
     def _plan_spans(
         self,
@@ -193,6 +225,29 @@ class Method:
             s = (sums / counts.unsqueeze(1))[head_map]
         return s
 
+    def _forced(self, ctx: PlanContext, seg: ImageSpan, skipped: bool) -> Tensor:
+        """``[N]`` bool: the span's tokens kept whatever the budget (recorded protection and,
+        for SnapKV/PyramidKV, the observation window's own positions)."""
+        forced = torch.zeros(seg.length, dtype=torch.bool, device=ctx.inputs.device)
+        if ctx.inputs.protected is not None:
+            forced |= ctx.inputs.protected[seg.start : seg.end].to(forced.device)
+        if self.keeps_window and ctx.obs_positions is not None and not skipped:
+            obs = ctx.obs_positions
+            forced[obs[(obs >= seg.start) & (obs < seg.end)] - seg.start] = True
+        return forced
+
+    def _budgets(self, ctx: PlanContext, seg: ImageSpan, keep: float, n_forced: int) -> Tensor:
+        """``[L]`` int64 budgets of a compressed span at ``keep`` (recorded protection outranks
+        the budget)."""
+        return self.budget.allocate(ctx, seg, keep).clamp_min(n_forced)
+
+    def _fill(self, budgets: Tensor) -> Tensor:
+        """The entries each layer's plan keeps: its budget, or with ``layer_fill`` the span's
+        slots (the largest budget)."""
+        if self.config.layer_fill == "none":
+            return budgets
+        return torch.full_like(budgets, int(budgets.max()))
+
     def _plan_segment(
         self,
         ctx: PlanContext,
@@ -204,20 +259,13 @@ class Method:
     ) -> CompressionPlan:
         cfg = self.config
         n, num_layers = seg.length, ctx.num_layers
-        dev = ctx.inputs.device
         skipped = identity or (seg.modality == "image" and n < cfg.min_image_tokens)
+        forced = self._forced(ctx, seg, skipped)
+        n_user = int(forced.sum())
         if skipped:
             budgets = torch.full((num_layers,), n, dtype=torch.long)
         else:
-            budgets = self.budget.allocate(ctx, seg, keep)
-        forced = torch.zeros(n, dtype=torch.bool, device=dev)
-        if ctx.inputs.protected is not None:
-            forced |= ctx.inputs.protected[seg.start : seg.end].to(dev)
-        if self.keeps_window and ctx.obs_positions is not None and not skipped:
-            obs = ctx.obs_positions
-            forced[obs[(obs >= seg.start) & (obs < seg.end)] - seg.start] = True
-        n_user = int(forced.sum())
-        budgets = budgets.clamp_min(n_user)  # recorded protection outranks the budget
+            budgets = self._budgets(ctx, seg, keep, n_user)
         if align_score is not None and cfg.protect_alignment and not skipped:
             a = align_score[seg.start : seg.end]
             cand = (a >= cfg.alignment_threshold) & ~forced
@@ -228,7 +276,7 @@ class Method:
                 forced[top] = True
         protected = torch.nonzero(forced).flatten()
         slots = int(budgets.max())
-        counts = budgets if cfg.layer_fill == "none" else torch.full_like(budgets, slots)
+        counts = self._fill(budgets)
         layers = []
         for li in range(num_layers):
             k = int(counts[li])

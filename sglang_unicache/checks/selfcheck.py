@@ -159,6 +159,24 @@ def layer_stats(ctx, layer: int, plans: list[CompressionPlan]) -> Tensor | None:
     return torch.stack([means[0], kl_head, means[1], means[2], means[3:].max()])
 
 
+def _content(ctx, start: int, end: int) -> tuple[Tensor, Tensor]:
+    """(``[H, N]`` each span token's distance from the background in the content layer, ``[H]``
+    the span's total value norm), once per ``Method.plan``: an escalation changes only what is
+    kept."""
+
+    def compute() -> tuple[Tensor, Tensor]:
+        v = ctx.values(CONTENT_LAYER)[start:end].float().transpose(0, 1)  # [H, N, D]
+        content = (v - v.median(dim=1, keepdim=True).values).norm(dim=-1)  # [H, N]
+        return content, v.norm(dim=-1).sum(-1).clamp_min(1e-30)
+
+    return ctx.cached(f"content {start}", CONTENT_LAYER, compute)
+
+
+def _lost(ctx, content: Tensor, total: Tensor, kept_content: Tensor) -> Tensor:
+    lost = ((content.sum(-1) - kept_content) / total).clamp_max(1.0)  # [H]
+    return ctx.shards.mean(lost.unsqueeze(-1))[0]
+
+
 def content_lost(ctx, plans: list[CompressionPlan]) -> Tensor | None:
     """``content_lost`` (module docstring) of the worst span, a 0-d tensor; None with no plan."""
     plans = [p for p in plans if not p.skipped]
@@ -166,17 +184,27 @@ def content_lost(ctx, plans: list[CompressionPlan]) -> Tensor | None:
         return None
     worst = []
     for p in plans:
-        def compute(start=p.span.start, end=p.span.end) -> tuple[Tensor, Tensor]:
-            v = ctx.values(CONTENT_LAYER)[start:end].float().transpose(0, 1)  # [H, N, D]
-            content = (v - v.median(dim=1, keepdim=True).values).norm(dim=-1)  # [H, N]
-            return content, v.norm(dim=-1).sum(-1).clamp_min(1e-30)
-
-        # per span, once per Method.plan: an escalation changes only what is kept
-        content, total = ctx.cached(f"content {p.span.start}", CONTENT_LAYER, compute)
+        content, total = _content(ctx, p.span.start, p.span.end)
         kept = content.gather(1, p.layers[CONTENT_LAYER].kept.long()).sum(-1)
-        lost = ((content.sum(-1) - kept) / total).clamp_max(1.0)  # [H]
-        worst.append(ctx.shards.mean(lost.unsqueeze(-1))[0])
+        worst.append(_lost(ctx, content, total, kept))
     return torch.stack(worst).amax()
+
+
+def content_floor(ctx, span_counts: list[tuple]) -> Tensor | None:
+    """The least ``content_lost`` of any plan that keeps ``k`` entries of each ``(span, k)`` in
+    the content layer: every head keeping its ``k`` tokens farthest from the background. A 0-d
+    tensor; None with no span."""
+    worst = []
+    for span, k in span_counts:
+        content, total = _content(ctx, span.start, span.end)
+        best = content.topk(min(k, content.shape[1]), dim=1).values.sum(-1)
+        worst.append(_lost(ctx, content, total, best))
+    return torch.stack(worst).amax() if worst else None
+
+
+# content_floor and content_lost add the same numbers in different orders: a floor this little
+# above the threshold is not evidence that the plan would fail.
+FLOOR_MARGIN = 1e-5
 
 
 @dataclass(frozen=True)
@@ -194,6 +222,12 @@ class SelfCheck:
     def unchecked(self, layers: tuple[int, ...] = ()) -> SelfCheckResult:
         """The passing result of a check that saw nothing (identity plan, no valid query)."""
         return SelfCheckResult(self.statistic, 0.0, self.threshold, layers, False, True)
+
+    def content_hopeless(self, ctx, span_counts: list[tuple]) -> bool:
+        """True when no plan keeping these counts (``content_floor``) can pass the
+        ``content_lost`` half of the check: the caller may skip planning it."""
+        floor = content_floor(ctx, span_counts)
+        return floor is not None and float(floor) > self.content_threshold + FLOOR_MARGIN
 
     def __call__(self, ctx, plans: list[CompressionPlan]) -> SelfCheckResult:
         """Run the check over the last ``layers`` layers."""

@@ -388,3 +388,69 @@ def test_content_check_decides_without_observation_queries() -> None:
     plan = build_method(cfg).plan(no_q)
     assert plan.selfcheck.checked and set(plan.selfcheck.stats) == {"content_lost"}
     assert not plan.selfcheck.passed and plan.fallback
+
+
+@pytest.mark.parametrize("method,fill", [("unicache", "next"), ("unicache", "none"),
+                                         ("knorm", "next"), ("snapkv", "none")])
+def test_hopeless_levels_are_skipped_with_the_same_outcome(monkeypatch, method, fill) -> None:
+    """A keep level whose best possible kept set already loses more content than the self-check
+    allows is not planned (``Method._skip_hopeless``): the request ends with the plan, check,
+    keep ratio and escalation count that planning every level gives, in fewer plans."""
+    from sglang_unicache.checks.selfcheck import SelfCheck
+
+    def outcome(plan):
+        kept = [[lp.kept.tolist() for lp in sp.layers] for sp in plan.spans]
+        return plan.keep_ratio, plan.escalations, plan.fallback, plan.selfcheck.stats, kept
+
+    planned = []
+    plan_spans = Method._plan_spans
+
+    def counted(self, ctx, scores, keep, *args):
+        planned.append(keep)
+        return plan_spans(self, ctx, scores, keep, *args)
+
+    monkeypatch.setattr(Method, "_plan_spans", counted)
+    skipped_any = False
+    for seed in range(6):
+        inp = make_inputs(seed=seed, protected=(10, 70))
+        for threshold in (0.2, 0.4, 0.6):
+            cfg = UniCacheConfig(method=method, keep_ratio=0.05, escalate_max_keep=0.4,
+                                 layer_fill=fill, selfcheck_content_threshold=threshold)
+            planned.clear()
+            fast = build_method(cfg).plan(inp)
+            fast_plans = len(planned)
+            with monkeypatch.context() as m:
+                m.setattr(SelfCheck, "content_hopeless", lambda *a: False)
+                planned.clear()
+                slow = build_method(cfg).plan(inp)
+            assert outcome(fast) == outcome(slow)
+            assert fast_plans <= len(planned)
+            skipped_any |= fast_plans < len(planned)
+    assert skipped_any, "no case had a hopeless level: the test shows nothing"
+
+
+def test_content_floor_bounds_every_plan_of_its_size() -> None:
+    """``content_floor`` is the least ``content_lost`` of a kept set of its size per head: no
+    random set loses less, and each head's top-K by content loses exactly that."""
+    from sglang_unicache.checks.selfcheck import _content, content_floor, content_lost
+    from sglang_unicache.plans import CompressionPlan, LayerPlan
+
+    inp = make_inputs(layers=1, spans=((0, 100),))
+    ctx = PlanContext(inputs=inp)
+    seg, h = inp.spans[0], inp.num_kv_heads
+    g = torch.Generator().manual_seed(1)
+
+    def lost(kept: torch.Tensor) -> float:
+        k = kept.shape[1]
+        lp = LayerPlan(kept, torch.full((h, 100), -1, dtype=torch.int32), torch.zeros(h, 100), k)
+        plan = CompressionPlan(seg, "t", [lp], torch.zeros(0, dtype=torch.long), k, None)
+        return float(content_lost(ctx, [plan]))
+
+    content, _ = _content(ctx, seg.start, seg.end)
+    for k in (1, 5, 30, 99):
+        floor = float(content_floor(ctx, [(seg, k)]))
+        assert 0 < floor < 1
+        for _ in range(20):
+            assert lost(torch.stack([torch.randperm(100, generator=g)[:k] for _ in range(h)])) \
+                >= floor - 1e-6
+        assert lost(content.topk(k, dim=1).indices) == pytest.approx(floor, abs=1e-6)
