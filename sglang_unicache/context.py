@@ -230,15 +230,21 @@ class PlanContext:
         that carry ``ImageSpan.grid`` (rows, cols) with a length divisible by cols."""
 
         def fn() -> Tensor:
-            k, v, win = self.keys(layer), self.values(layer), self.redundancy_window
-            d = signals.neighbour_redundancy(k, v, self.run_id, win)
+            x, win = self.unit_kv(layer), self.redundancy_window
+            d = signals.raster_redundancy(x, self.run_id, win)
             for s in self.inputs.spans:  # per image, not per token
                 if s.grid is not None and s.length % s.grid[1] == 0:
                     sl = slice(s.start, s.end)
-                    d[:, sl] = signals.grid_redundancy(k[sl], v[sl], s.grid[1], win)
+                    d[:, sl] = signals.patch_grid_redundancy(x[sl], s.grid[1], win)
             return d
 
         return self.cached("redundancy", layer, fn)
+
+    def unit_kv(self, layer: int) -> Tensor:
+        """``[T, H, 2D]`` fp32 unit keys and values (``signals.unit_kv``), shared by the
+        redundancy signal and the merge reducer's nearest-entry search."""
+        return self.cached("unit_kv", layer,
+                           lambda: signals.unit_kv(self.keys(layer), self.values(layer)))
 
     def key_norm(self, layer: int) -> Tensor:
         return self.cached(

@@ -31,6 +31,13 @@ def by_modality_minmax(x: Tensor, is_visual: Tensor) -> Tensor:
     return masked_minmax(x, is_visual) + masked_minmax(x, ~is_visual)
 
 
+def unit_kv(keys: Tensor, values: Tensor) -> Tensor:
+    """``[T, H, 2D]`` fp32: each token's unit key and unit value side by side, scaled so that
+    the dot product of two rows is the mean of their key cosine and value cosine."""
+    x = torch.cat([F.normalize(keys.float(), dim=-1), F.normalize(values.float(), dim=-1)], -1)
+    return x / 2**0.5
+
+
 def neighbour_redundancy(keys: Tensor, values: Tensor, run_id: Tensor, k: int) -> Tensor:
     """Seed §4.2 redundancy d_i: mean cosine similarity of token i's K/V with its neighbours
     i-k..i+k inside the same run (image span or text run), clipped to [0, 1]. ``[H, T]`` fp32.
@@ -38,8 +45,11 @@ def neighbour_redundancy(keys: Tensor, values: Tensor, run_id: Tensor, k: int) -
     K and V are L2-normalised separately and concatenated, so the similarity is the mean of the key
     cosine and the value cosine.
     """
-    x = torch.cat([F.normalize(keys.float(), dim=-1), F.normalize(values.float(), dim=-1)], -1)
-    x = x / 2**0.5  # [T, H, 2D], unit norm per (token, head)
+    return raster_redundancy(unit_kv(keys, values), run_id, k)
+
+
+def raster_redundancy(x: Tensor, run_id: Tensor, k: int) -> Tensor:
+    """``neighbour_redundancy`` of ``x = unit_kv(keys, values)``."""
     t, h, _ = x.shape
     total = torch.zeros(t, h, device=x.device)
     count = torch.zeros(t, 1, device=x.device)
@@ -57,9 +67,13 @@ def grid_redundancy(keys: Tensor, values: Tensor, cols: int, k: int) -> Tensor:
     """Seed §4.2 redundancy on a patch grid: mean K/V cosine to the neighbours up to ``k`` steps
     left/right in the same row and up/down in the same column. keys/values ``[N, H, D]`` with
     ``N % cols == 0`` (rows = N / cols; video frames stack as extra rows). ``[H, N]`` fp32."""
-    n, h, _ = keys.shape
-    x = torch.cat([F.normalize(keys.float(), dim=-1), F.normalize(values.float(), dim=-1)], -1)
-    x = (x / 2**0.5).view(n // cols, cols, h, -1)  # [R, C, H, 2D]
+    return patch_grid_redundancy(unit_kv(keys, values), cols, k)
+
+
+def patch_grid_redundancy(x: Tensor, cols: int, k: int) -> Tensor:
+    """``grid_redundancy`` of ``x = unit_kv(keys, values)`` ``[N, H, 2D]``."""
+    n, h, _ = x.shape
+    x = x.view(n // cols, cols, h, -1)  # [R, C, H, 2D]
     total = torch.zeros(n // cols, cols, h, device=x.device)
     count = torch.zeros(n // cols, cols, 1, device=x.device)
     for off in range(1, k + 1):

@@ -18,7 +18,6 @@ the executor restores the merged vector's norm to the members' weighted mean nor
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..catalog import reducer
 from ..signals import masked_minmax
@@ -57,11 +56,10 @@ class MergeReducer:
 
 
 def unit_kv(ctx, layer: int, sl: slice) -> torch.Tensor:
-    """``[H, N, 2D]``: each token's unit key and unit value side by side, scaled so that the dot
-    product of two rows is the mean of their key and value cosines."""
-    x = torch.cat([F.normalize(ctx.keys(layer)[sl].float(), dim=-1),
-                   F.normalize(ctx.values(layer)[sl].float(), dim=-1)], -1) / 2**0.5
-    return x.transpose(0, 1)
+    """``[H, N, 2D]``: each span token's unit key and unit value side by side (the context's
+    ``unit_kv``, which the redundancy signal computed), so that the dot product of two rows is
+    the mean of their key and value cosines."""
+    return ctx.unit_kv(layer)[sl].transpose(0, 1)
 
 
 def merge_weights(scores: torch.Tensor, assign: torch.Tensor, k: int) -> torch.Tensor:
