@@ -159,8 +159,8 @@ class Method:
         hopeless when even the best kept set of its size, each head's top-K tokens by content
         (``SelfCheck.content_hopeless``), loses more than the threshold; its plan would be built
         and checked only to fail. The cap is always planned (its check is the one reported).
-        The outcome is the one stepping through every level gives, without the failed plans:
-        on random weights most images failed there, three plans and checks each."""
+        The outcome is the one stepping through every level gives, without the failed plans
+        (on the random perf models every image escalated, each level planned and checked)."""
         cap = self.config.escalate_max_keep
         if self.selfcheck is None or identity:
             return keep, 0
