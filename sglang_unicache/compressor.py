@@ -173,16 +173,30 @@ class Method:
     def _content_counts(self, ctx: PlanContext, keep: float) -> list[tuple[ImageSpan, int]]:
         """Each planned span with the entries its plan keeps in the self-check's content layer
         at ``keep`` (the same count ``_plan_segment`` gives that layer)."""
-        keep_v, keep_t = (keep, 1.0) if self.modality is None else self.modality.keep(ctx, keep)
         out = []
-        for seg in ctx.segments:
-            if seg.modality == "image" and seg.length < self.config.min_image_tokens:
-                continue  # skipped: kept whole
-            seg_keep = keep_v if seg.modality == "image" else keep_t
+        for seg, seg_keep in self._segment_keeps(ctx, keep):
+            if self._skips(seg, identity=False):
+                continue  # kept whole
             n_forced = int(self._forced(ctx, seg, False).sum())
             counts = self._fill(self._budgets(ctx, seg, seg_keep, n_forced))
             out.append((seg, int(counts[CONTENT_LAYER])))
         return out
+
+    def _segment_keeps(self, ctx: PlanContext, keep: float) -> list[tuple[ImageSpan, float]]:
+        """Each segment with its keep ratio at request keep ``keep`` (the modality budgets with
+        ``compress_text``), once per level: the skip test and the plan both ask."""
+
+        def compute() -> list[tuple[ImageSpan, float]]:
+            keep_v, keep_t = ((keep, 1.0) if self.modality is None
+                              else self.modality.keep(ctx, keep))
+            return [(seg, keep_v if seg.modality == "image" else keep_t) for seg in ctx.segments]
+
+        return ctx.cached(f"segment keeps {keep!r}", -1, compute)
+
+    def _skips(self, seg: ImageSpan, identity: bool) -> bool:
+        """True for a segment kept whole: the identity budget, or an image shorter than
+        ``min_image_tokens``."""
+        return identity or (seg.modality == "image" and seg.length < self.config.min_image_tokens)
 
     def _plan_spans(
         self,
@@ -193,11 +207,8 @@ class Method:
         identity: bool,
     ) -> tuple[list[CompressionPlan], SelfCheckResult | None]:
         """Every span planned at one keep ratio, and the self-check of the result."""
-        keep_v, keep_t = (keep, 1.0) if self.modality is None else self.modality.keep(ctx, keep)
-        plans = []
-        for seg in ctx.segments:
-            seg_keep = keep_v if seg.modality == "image" else keep_t
-            plans.append(self._plan_segment(ctx, seg, scores, seg_keep, align_score, identity))
+        plans = [self._plan_segment(ctx, seg, scores, seg_keep, align_score, identity)
+                 for seg, seg_keep in self._segment_keeps(ctx, keep)]
         check = None
         if self.selfcheck is not None:
             check = self.selfcheck.unchecked() if identity else self.selfcheck(ctx, plans)
@@ -259,7 +270,7 @@ class Method:
     ) -> CompressionPlan:
         cfg = self.config
         n, num_layers = seg.length, ctx.num_layers
-        skipped = identity or (seg.modality == "image" and n < cfg.min_image_tokens)
+        skipped = self._skips(seg, identity)
         forced = self._forced(ctx, seg, skipped)
         n_user = int(forced.sum())
         if skipped:
