@@ -131,3 +131,19 @@ def compressing(server_factory, nocheck_config):
                             "--enable-cache-report")
     yield server
     assert_integrity(server)
+
+
+@pytest.fixture(scope="session")
+def prompt_of(tiny_model):
+    """The tiny model's chat template around one image and ``question`` (for ``/generate``)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+
+    def render(question: str) -> str:
+        messages = [{"role": "user", "content": [{"type": "image"},
+                                                 {"type": "text", "text": question}]}]
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=True)
+
+    return render

@@ -79,12 +79,18 @@ def full_kv_only(req) -> bool:
     reuse compressed spans):
 
     - those that return logprobs: SGLang computes their prompt logprobs over the prompt as
-      sent, after the point where compaction shortens it, and counts them against its length
-      (issue 14, defect 3b);
+      sent, after the point where compaction shortens it, and counts them against its length;
     - turns of an SGLang session (``open_session`` / ``session_params``): the session builds the
-      next turn from this one's ids and multimodal inputs, which must stay the ones sent.
+      next turn from this one's ids and multimodal inputs, which must stay the ones sent;
+    - beam search (``beam_width``): the members copy the leader's prompt row inside the
+      forward, before the leader reaches its checkpoint, so a compaction there would free slots
+      the members still read; and a beam group's prompt length is fixed at admission, before
+      any match-time rewrite;
+    - requests SGLang keeps out of the radix tree (``skip_radix_cache_insert``: beam leaders,
+      requests whose embeddings are overridden, so their KV is not what their ids say).
     """
-    return bool(req.return_logprob) or getattr(req, "session", None) is not None
+    return (bool(req.return_logprob) or req.session is not None or req.beam_group is not None
+            or req.skip_radix_cache_insert)
 
 
 def namespace(req) -> tuple[object, object]:

@@ -14,21 +14,6 @@ from tests.support.client import flush_cache, internal_state
 from tests.support.images import data_url, solid_png
 
 
-@pytest.fixture(scope="module")
-def prompt_of(tiny_model):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-
-    def render(question: str) -> str:
-        messages = [{"role": "user", "content": [{"type": "image"},
-                                                 {"type": "text", "text": question}]}]
-        return tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=True)
-
-    return render
-
-
 def generate(server, text: str, png: bytes, start: int | None = None, tokens: int = 3) -> dict:
     body = {"text": text, "image_data": data_url(png),
             "sampling_params": {"max_new_tokens": tokens, "temperature": 0}}

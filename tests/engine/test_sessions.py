@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import requests
 
-from tests.engine.test_logprobs import prompt_of  # noqa: F401
 from tests.support.client import flush_cache, internal_state
 from tests.support.images import data_url, solid_png
 
@@ -35,7 +34,7 @@ def conversation(server, first: str, png: bytes) -> list[str]:
     return [one["text"], two["text"]]
 
 
-def test_a_session_with_an_image_is_served_like_stock(compressing, stock, prompt_of):  # noqa: F811
+def test_a_session_with_an_image_is_served_like_stock(compressing, stock, prompt_of):
     flush_cache(compressing)
     png = solid_png((30, 160, 90))
     first = prompt_of("what colour is it?")

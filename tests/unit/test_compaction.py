@@ -49,7 +49,8 @@ def setup(seq_lens, layers: int = LAYERS, config: UniCacheConfig | None = None, 
                            modality=SimpleNamespace(name="IMAGE"))
     req = SimpleNamespace(
         rid="r", extend_end=LENGTH, origin_input_ids=ids, output_ids=[],
-        full_untruncated_fill_ids=ids, return_logprob=False, session=None, extra_key=None,
+        full_untruncated_fill_ids=ids, return_logprob=False, session=None, beam_group=None,
+        skip_radix_cache_insert=False, extra_key=None,
         cache_salt=None, multimodal_inputs=SimpleNamespace(
             mm_items=[item], mrope_positions=None, mrope_position_delta=None),
         is_retracted=False, prefix_len=0,

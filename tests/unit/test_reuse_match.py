@@ -97,7 +97,8 @@ def test_a_prompt_ending_in_a_cached_image_does_not_split_the_span(cache):  # no
                            modality=SimpleNamespace(name="IMAGE"))
     req = SimpleNamespace(
         rid="r", origin_input_ids=ids, output_ids=[], return_logprob=False, session=None,
-        extra_key=None, cache_salt=None, is_retracted=False, prefix_len=0,
+        beam_group=None, skip_radix_cache_insert=False, extra_key=None, cache_salt=None,
+        is_retracted=False, prefix_len=0,
         multimodal_inputs=SimpleNamespace(mm_items=[item], mrope_positions=None,
                                           mrope_position_delta=None),
         kv=SimpleNamespace(holds_kv=False))
