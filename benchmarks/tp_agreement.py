@@ -25,8 +25,10 @@ from tests.support.server import start_server
 KEYS = ("images_compressed", "escalations", "fallbacks", "compressed_slots_held", "spans_reused")
 
 
-def serve(flags: list[str], log: Path, chats) -> tuple[list[str], dict]:
-    server = start_server(BUNDLED, ["--unicache", *flags, "--enable-cache-report"], log)
+def serve(flags: list[str], log: Path, chats, env: dict[str, str] | None = None
+          ) -> tuple[list[str], dict]:
+    server = start_server(BUNDLED, ["--unicache", *flags, "--enable-cache-report"], log,
+                          env=env)
     try:
         flush_cache(server)
         rows = run(server.url, chats, "tp")

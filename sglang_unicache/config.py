@@ -168,7 +168,8 @@ class UniCacheConfig:
         "off", "HiCache host copies as int8 or int4 per (slot, KV head), seed §6.3 "
         "(--enable-hierarchical-cache on the CPU platform; docs/scale-out.md)"
     )
-    layer_fill: str = doc("none", '"next": pad every layer to physical_slots with next-best tokens')
+    layer_fill: str = doc("none", '"next": pad every layer to physical_slots with next-best '
+                          "tokens (the server always uses next: a pool slot spans every layer)")
 
     # The statistic and threshold come from docs/selfcheck.md: the seed's KL predicted best that
     # a reused compressed image answers later questions differently (AUC 0.885), and 0.9

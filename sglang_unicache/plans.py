@@ -101,10 +101,22 @@ class SelfCheckResult(Serial):
     checked: bool  # False when no observation query sees the compressed spans
     passed: bool
     stats: dict[str, float] = field(default_factory=dict)
+    content_threshold: float | None = None  # ``content_lost`` passes at or below it
 
     @property
     def kl(self) -> float:
         return self.stats.get("kl", 0.0)
+
+    def failure(self) -> str:
+        """Each half of the check that failed, with its value and threshold ("" if passed)."""
+        failed = []
+        if self.value > self.threshold:
+            failed.append(f"{self.statistic} {self.value:.3f} > {self.threshold:.3f}")
+        lost = self.stats.get("content_lost")
+        if lost is not None and self.content_threshold is not None \
+                and lost > self.content_threshold:
+            failed.append(f"content_lost {lost:.3f} > {self.content_threshold:.3f}")
+        return " and ".join(failed)
 
 
 @dataclass

@@ -248,4 +248,5 @@ class SelfCheck:
             stats = {"content_lost": float(content)}
             value, passed = stats.get(self.statistic, 0.0), True
         passed = passed and stats["content_lost"] <= self.content_threshold
-        return SelfCheckResult(self.statistic, value, self.threshold, layers, True, passed, stats)
+        return SelfCheckResult(self.statistic, value, self.threshold, layers, True, passed, stats,
+                               self.content_threshold)

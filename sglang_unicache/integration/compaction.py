@@ -52,6 +52,20 @@ class Compaction:
         return self.freed.numel()
 
 
+def unwritable_pool(kv_pool) -> str | None:
+    """Why the pool's buffers cannot take compaction's writes, or None. A quantized pool (or any
+    whose ``get_key_buffer`` builds a new tensor, e.g. dequantized) hands out copies: the writes
+    would land in the copy and be lost, silently. Two reads of one layer must share storage."""
+    if getattr(kv_pool, "is_quantized_kv_cache", False):
+        return f"{type(kv_pool).__name__} is a quantized KV cache"
+    layer = kv_pool.start_layer
+    for read in (kv_pool.get_key_buffer, kv_pool.get_value_buffer):
+        first, second = read(layer), read(layer)
+        if first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr():
+            return f"{type(kv_pool).__name__} returns a copy of its buffers"
+    return None
+
+
 def pool_buffers(kv_pool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per layer K and V buffers of this rank's layers (``[slots, H, D]`` each)."""
     layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)

@@ -10,9 +10,11 @@ processes a compressing prefill's result before the next batch is built, so the 
 2. The forward runs; the attention hook gathers the targets' observation queries per layer.
 3. ``on_checkpoint`` (the request survived prefill and is about to enter the radix tree): gather
    the prompt's K/V from the pool, run the policy, write the compressed entries, compact the row,
-   free N - K slots per image, and rewrite the request so every length agrees: its token ids (the
-   span becomes K ids derived from the image, the config and, for query-dependent methods, the
-   request), ``extend_end``, KV lengths, the batch's ``seq_lens``, and its M-RoPE data.
+   free N - K slots per image, and rewrite the request so every length agrees: its token ids
+   (the span becomes K ids derived from the image, the config and, for query-dependent methods,
+   the request: ``_variant``), ``extend_end``, KV lengths, the batch's ``seq_lens``, and its
+   M-RoPE data. With ``--tp-size`` the plan and the write each end in a verdict every rank
+   shares (``tensor_parallel.py``), so a failure on one rank keeps the full KV on all.
 4. A failed self-check doubles the budget up to ``escalate_max_keep`` (counted as escalations);
    past the cap, or on any error, the request keeps its full KV (counted as a fallback or an
    error). When most recent images fall back, one warning line says so and names the keys.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -51,7 +54,7 @@ from sglang_unicache.integration.rewrite import (
     shorten,
 )
 from sglang_unicache.integration.spans import SpanIndex, SpanMeta, SpanNaming
-from sglang_unicache.integration.tensor_parallel import TensorParallel
+from sglang_unicache.integration.tensor_parallel import PeerFailed, TensorParallel
 from sglang_unicache.registry import build_method
 
 logger = logging.getLogger("sglang_unicache")
@@ -117,7 +120,8 @@ class Stats:
     slots_freed: int = 0
     fallbacks: int = 0  # requests whose self-check failed even at escalate_max_keep: full KV kept
     escalations: int = 0  # budget doublings after a failed self-check
-    errors: int = 0  # compressions that raised: full KV kept
+    errors: int = 0  # compressions that raised (on any tensor-parallel rank): full KV kept
+    capture_missed: int = 0  # prefills whose attention ran past the query hook: full KV kept
     rank_disagreements: int = 0  # --tp-size: compressions the ranks did not do alike
     retracted: int = 0  # requests retracted by the scheduler (restored to their own ids)
     skipped_cached: int = 0
@@ -128,6 +132,18 @@ class Stats:
 
     def to_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
+
+
+@dataclass
+class Applied:
+    """A compression written into the pool and the request, its slots not yet freed."""
+
+    freed: torch.Tensor  # slots the request no longer uses
+    undo: Callable[[], None]  # back to the full KV, exactly
+
+    @property
+    def removed(self) -> int:
+        return self.freed.numel()
 
 
 @dataclass
@@ -159,11 +175,14 @@ class Controller:
     # ``req.unicache_fresh``, the (row position, metadata) of the spans it compressed, until its
     # KV is in the tree; ``req.unicache_matched``, the span index epoch its reuse was decided at.
     deferred: set[str] = field(default_factory=set)  # rids whose checkpoint waits (this round)
+    multi_run_noted: bool = False  # the one log line about items in several runs was written
 
     def __post_init__(self) -> None:
         # A slot spans every layer, so every layer keeps the same number of entries: layers whose
-        # budget is smaller are filled with their next-best tokens (DESIGN.md §5).
-        self.method = build_method(self.config.replace(layer_fill="next"))
+        # budget is smaller are filled with their next-best tokens. The config kept (and shown
+        # in /server_info) is the one in effect.
+        self.config = self.config.replace(layer_fill="next")
+        self.method = build_method(self.config)
         self.active = self.config.method != "full" and self.config.keep_ratio < 1.0
         self.recent_checks: deque[dict] = deque(maxlen=RECENT_CHECKS)
         self.outcomes: deque[bool] = deque(maxlen=FALLBACK_WINDOW)  # True: full KV kept
@@ -198,10 +217,23 @@ class Controller:
         for item in mm.mm_items:
             if item.modality.name not in ("IMAGE", "MULTI_IMAGES", "VIDEO"):
                 continue
-            for start, end in merge_runs(item.offsets or []):
+            runs = merge_runs(item.offsets or [])
+            if len(runs) > 1:
+                # SGLang slices an item's embeddings by summing its runs' lengths in the ids
+                # (``mm_schedule``): once one run became K ids, a later run of the same item
+                # still prefilled would get a shifted slice. Such items keep their full KV.
+                self._note_multi_run(len(runs))
+                continue
+            for start, end in runs:
                 if end - start >= self.config.min_image_tokens:
                     spans.append((start, end, int(item.pad_value or 0)))
         return sorted(spans)
+
+    def _note_multi_run(self, runs: int) -> None:
+        if not self.multi_run_noted:
+            self.multi_run_noted = True
+            logger.info("sglang-unicache: an image or video item in %d separate token runs is "
+                        "served on its full KV (items of one run are compressed)", runs)
 
     def begin_forward(self, batch) -> QueryCapture | None:
         """Everything decided about an extend batch, once, before it runs: which requests are
@@ -273,14 +305,7 @@ class Controller:
         if pending is None or self.capture is None:
             return
         start = time.perf_counter()
-        outcome = [ERROR, 0.0, 0.0]
-        try:
-            outcome = self._compress(req, pending, self.capture.queries_of(pending.target))
-        except Exception:
-            self.stats.errors += 1
-            self._record_outcome(True)
-            logger.exception("sglang-unicache: compression failed for %s; keeping full KV",
-                             req.rid)
+        outcome = self._attempt(req, pending)
         # Every tensor-parallel rank reaches this line for the same request, whatever happened.
         if not self.tp.agree([*outcome, float(self.allocator.available_size())]):
             self.stats.rank_disagreements += 1
@@ -288,12 +313,78 @@ class Controller:
                          "(rank %d: %s)", req.rid, self.tp.rank, outcome)
         self.stats.compress_seconds += time.perf_counter() - start
 
-    def _compress(self, req, pending: Pending, queries: list[torch.Tensor]) -> list[float]:
-        """Compress the request's own image spans; returns (outcome, keep ratio, slots the
-        spans kept), the fingerprint the tensor-parallel ranks compare."""
-        length = req.extend_end
-        row_index = req.kv.req_pool_idx
-        row = self.req_to_token[row_index, :length].clone()
+    def _attempt(self, req, pending: Pending) -> list[float]:
+        """Compress the request's own image spans in two steps, each ending in a verdict every
+        tensor-parallel rank shares (``TensorParallel.settle``): plan (read only), then apply
+        (undone on every rank unless every rank applied); the slots are freed last. Returns
+        (outcome, keep ratio, slots the spans kept), the fingerprint the ranks compare."""
+        queries = self.capture.queries_of(pending.target)
+        if len(queries) != self.kv_pool.layer_num:
+            return self._capture_missed(req, len(queries))
+        planned = self._step(req, "plan", lambda: self._plan(req, pending, queries))
+        if planned is None:
+            return [ERROR, 0.0, 0.0]
+        plan, results, plans = planned
+        self._record_check(req.rid, plan)
+        if plan.fallback:
+            self.stats.fallbacks += 1
+            check = plan.selfcheck
+            logger.info("sglang-unicache: self-check failed for %s (%s) at keep %.3g; full KV "
+                        "kept", req.rid, check.failure(), plan.keep_ratio)
+            return [FALLBACK, plan.keep_ratio, 0.0]
+        if not results:
+            return [UNCHANGED, plan.keep_ratio, 0.0]
+        applied = self._step(req, "apply", lambda: self._apply(req, pending, results))
+        if applied is None:
+            return [ERROR, 0.0, 0.0]
+        self.allocator.free(applied.freed)
+        req.unicache_fresh = self._span_metas(req, pending, results, plans, plan.selfcheck,
+                                              plan.keep_ratio)
+        removed = applied.removed
+        self.stats.images_compressed += len(results)
+        self.stats.requests_compressed += 1
+        self.stats.slots_freed += removed
+        logger.debug("sglang-unicache: %s compressed %d image(s), %d -> %d slots", req.rid,
+                     len(results), req.extend_end + removed, req.extend_end)
+        return [COMPRESSED, plan.keep_ratio, float(sum(p.physical_slots for p in plans))]
+
+    def _step(self, req, name: str, run):
+        """Run one step of a compression; its result when every rank succeeded, else None (the
+        request keeps its full KV, counted once as an error on every rank)."""
+        failed = False
+        try:
+            result = run()
+        except PeerFailed:
+            result, failed = None, None
+        except Exception:
+            result, failed = None, True
+            logger.exception("sglang-unicache: compression (%s) failed for %s; keeping full KV",
+                             name, req.rid)
+        if failed is None or not self.tp.settle(failed):
+            if failed is not True:
+                logger.error("sglang-unicache: another tensor-parallel rank failed to %s %s; "
+                             "keeping full KV", name, req.rid)
+            if isinstance(result, Applied):
+                result.undo()
+            self.stats.errors += 1
+            self._record_outcome(True)
+            return None
+        return result
+
+    def _capture_missed(self, req, layers: int) -> list[float]:
+        self.stats.capture_missed += 1
+        if self.stats.capture_missed == 1:
+            logger.warning("sglang-unicache: the prefill of %s ran %d of %d attention layers "
+                           "through the hook that reads its queries (a CUDA-graph or fused "
+                           "path?); its images keep their full KV, as will others like it",
+                           req.rid, layers, self.kv_pool.layer_num)
+        self._record_outcome(True)
+        return [UNCHANGED, 0.0, 0.0]
+
+    def _plan(self, req, pending: Pending, queries: list[torch.Tensor]):
+        """Read only: the request's plan and, unless it falls back, each span's compressed
+        entries. (plan, span results, span plans)."""
+        row = self.req_to_token[req.kv.req_pool_idx, :req.extend_end]
         k_buffers, v_buffers = pool_buffers(self.kv_pool)
         keys, values = prompt_kv(k_buffers, v_buffers, row)
         spans = [ImageSpan(start, end) for start, end, _ in pending.spans]
@@ -301,47 +392,47 @@ class Controller:
         plan = self.method.plan(ScoreInputs(keys, values, spans, obs_queries=queries,
                                             obs_positions=positions),
                                 self.tp.shards(keys[0].shape[1]))
-        self._record_check(req.rid, plan)
-        if plan.fallback:
-            self.stats.fallbacks += 1
-            logger.info("sglang-unicache: self-check failed for %s (%s %.3f > %.3f at keep %.3g);"
-                        " full KV kept", req.rid, plan.selfcheck.statistic, plan.selfcheck.value,
-                        plan.selfcheck.threshold, plan.keep_ratio)
-            return [FALLBACK, plan.keep_ratio, 0.0]
         results, plans = [], []
-        for span_plan, (start, end, _) in zip(plan.image_plans(), pending.spans, strict=True):
-            if span_plan.skipped:
-                continue
-            compressed = self.method.execute(span_plan, keys, values)
-            results.append(SpanResult(start, end, compressed.keys, compressed.values))
-            plans.append(span_plan)
-        if not results:
-            return [UNCHANGED, plan.keep_ratio, 0.0]
-        # All or nothing: everything above only read. The ids are rewritten first (atomic, and
-        # undone below on failure); then the pool, the row and the lengths change, rolled back
-        # from the copies taken first if anything raises; the slots are freed last.
+        if not plan.fallback:
+            for span_plan, (start, end, _) in zip(plan.image_plans(), pending.spans,
+                                                  strict=True):
+                if span_plan.skipped:
+                    continue
+                compressed = self.method.execute(span_plan, keys, values)
+                results.append(SpanResult(start, end, compressed.keys, compressed.values))
+                plans.append(span_plan)
+        return plan, results, plans
+
+    def _apply(self, req, pending: Pending, results: list[SpanResult]) -> Applied:
+        """Write the compressed entries, compact the row, rewrite the ids and shorten every
+        length; all or nothing (a failure undoes what was done, from the copies taken first).
+        The slots to free are returned, not freed: another rank may still fail this step."""
+        length = req.extend_end
+        row_index = req.kv.req_pool_idx
+        row = self.req_to_token[row_index, :length].clone()
+        k_buffers, v_buffers = pool_buffers(self.kv_pool)
         compaction = plan_compaction(row, results)
         removed = compaction.removed
         backup = backup_spans(row, results, k_buffers, v_buffers)
         self._rewrite_ids(req, pending, results)
+        shortened = False
+
+        def undo() -> None:
+            if shortened:
+                shorten(req, pending.batch, pending.target.batch_index, -removed)
+            restore_spans(row, results, backup, k_buffers, v_buffers)
+            self.req_to_token[row_index, :length] = row
+            restore(req, req.unicache_rewrites.pop())
+
         try:
             write_spans(row, results, k_buffers, v_buffers)
             self.req_to_token[row_index, :length - removed] = compaction.row
             shorten(req, pending.batch, pending.target.batch_index, removed)
+            shortened = True
         except BaseException:
-            restore_spans(row, results, backup, k_buffers, v_buffers)
-            self.req_to_token[row_index, :length] = row
-            restore(req, req.unicache_rewrites.pop())
+            undo()
             raise
-        self.allocator.free(compaction.freed)
-        req.unicache_fresh = self._span_metas(req, pending, results, plans, plan.selfcheck,
-                                              plan.keep_ratio)
-        self.stats.images_compressed += len(results)
-        self.stats.requests_compressed += 1
-        self.stats.slots_freed += removed
-        logger.debug("sglang-unicache: %s compressed %d image(s), %d -> %d slots", req.rid,
-                     len(results), length, length - removed)
-        return [COMPRESSED, plan.keep_ratio, float(sum(p.physical_slots for p in plans))]
+        return Applied(compaction.freed, undo)
 
     def _record_check(self, rid: str, plan) -> None:
         self.stats.escalations += plan.escalations
@@ -372,11 +463,20 @@ class Controller:
                 cfg.selfcheck_threshold, cfg.selfcheck_content_threshold,
                 max(cfg.escalate_max_keep, cfg.keep_ratio))
 
+    def _variant(self, req) -> str:
+        """What keys a span besides its image, position, config and size: for a method whose
+        selection follows the question, the request, so two requests that compress the same
+        image in one batch each decode on their own checked plan (the second one's insert
+        would otherwise repoint it to the first one's slots, a selection never checked for it).
+        Later requests reuse whichever copy they find (``SpanIndex.id_choices``)."""
+        return req.rid if self.method.query_dependent else ""
+
     def _rewrite_ids(self, req, pending: Pending, results: list[SpanResult]) -> None:
         pads = {start: pad for start, _, pad in pending.spans}
         earlier = rewrites_of(req)
+        variant = self._variant(req)
         spans = [SpanRewrite(r.start, r.end, self.naming.ids(
-                    pads[r.start], original_position(r.start, earlier), r.count))
+                    pads[r.start], original_position(r.start, earlier), r.count, variant))
                  for r in results]
         req.unicache_rewrites = [*earlier, rewrite(req, spans)]
 
@@ -385,7 +485,7 @@ class Controller:
         pads = {start: pad for start, _, pad in pending.spans}
         row = self.req_to_token[req.kv.req_pool_idx]
         earlier = rewrites_of(req)[:-1]  # the rewrites before this compression's own
-        metas, removed_before = [], 0
+        metas, removed_before, variant = [], 0, self._variant(req)
         for result, span_plan in zip(results, plans, strict=True):
             layers = span_plan.layers
             at = result.start - removed_before
@@ -393,7 +493,8 @@ class Controller:
             metas.append((at, SpanMeta(
                 namespace=namespace(req), pad=pads[result.start], start=start,
                 length=result.end - result.start,
-                ids=self.naming.ids(pads[result.start], start, result.count),
+                ids=self.naming.ids(pads[result.start], start, result.count, variant),
+                variant=variant,
                 kept=torch.stack([lp.kept for lp in layers]).to(torch.int32).cpu(),
                 priority=torch.stack([
                     lp.priority if lp.priority is not None
@@ -432,11 +533,13 @@ class Controller:
         # SGLang matches at most the prompt's length - 1 (one token must be computed); a span
         # past that cap would be cut in the middle, so it is not rewritten.
         limit = len(req.origin_input_ids) - 1
+        choices: dict[int, list[tuple[int, ...]]] = {}  # span start -> ids to try, newest first
         candidates = []
         for start, end, pad in self.image_spans(req):
-            meta = self.spans.of_image((namespace(req), pad, start, end - start))
-            if meta is not None and end <= limit:
-                candidates.append(SpanRewrite(start, end, meta.ids))
+            options = self.spans.id_choices((namespace(req), pad, start, end - start))
+            if options and end <= limit:
+                choices[start] = options
+                candidates.append(SpanRewrite(start, end, options[0]))
         while candidates:
             record = rewrite(req, candidates)
             match()
@@ -444,8 +547,9 @@ class Controller:
             matched = req.prefix_len + getattr(req, "host_hit_length", 0)
             removed_before, covered = 0, []
             for span in candidates:
-                if matched >= span.start - removed_before + len(span.ids):
-                    covered.append(span)
+                if matched < span.start - removed_before + len(span.ids):
+                    break
+                covered.append(span)
                 removed_before += span.removed
             if covered == candidates:
                 req.unicache_rewrites = [record]
@@ -453,7 +557,16 @@ class Controller:
                 self.stats.spans_reused += len(covered)
                 return
             restore(req, record)
-            candidates = covered  # a prefix of the candidates: the tree matched that far
+            # The tree matched up to the first span it does not hold under these ids: try that
+            # image's next cached copy (another prefix's, or another request's plan), else stop
+            # before it.
+            missed = candidates[len(covered)]
+            options = choices[missed.start]
+            at = options.index(missed.ids) + 1
+            if at < len(options):
+                candidates[len(covered)] = SpanRewrite(missed.start, missed.end, options[at])
+            else:
+                candidates = covered
         match()
 
     # -- 5. undo --------------------------------------------------------------------------------

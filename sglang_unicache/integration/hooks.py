@@ -10,13 +10,17 @@ passes through.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from sglang_unicache.integration import flags, positions, radix_cache, routing
 from sglang_unicache.integration.capture import QueryCapture
+from sglang_unicache.integration.compaction import unwritable_pool
 from sglang_unicache.integration.controller import Controller
 from sglang_unicache.integration.integrity import check_integrity
 from sglang_unicache.integration.metrics import Metrics
@@ -26,6 +30,7 @@ from sglang_unicache.integration.support import (
     unsupported_setup,
 )
 from sglang_unicache.integration.tensor_parallel import TensorParallel
+from sglang_unicache.kernels import warm_up
 
 logger = logging.getLogger("sglang_unicache")
 
@@ -77,6 +82,7 @@ class UniCacheStartupError(SystemExit):
         super().__init__(f"error: {message}")
 
 
+CHECK_INTEGRITY = "SGLANG_UNICACHE_CHECK_INTEGRITY"  # "1": /server_info runs check_integrity
 MM_PREPROCESS_CACHE_MB = 256  # --unicache's default for SGLang's image preprocessing cache
 
 
@@ -138,6 +144,11 @@ def after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any)
     if reason:
         raise flags.UniCacheFlagError(reason)
     allocator = scheduler.token_to_kv_pool_allocator
+    reason = unwritable_pool(allocator.get_kvcache())
+    if reason:
+        raise flags.UniCacheFlagError(
+            f"{reason}: --unicache writes compressed entries into the pool in place (use "
+            "--kv-cache-dtype auto, bf16, fp8_e4m3 or fp8_e5m2)")
     tree = scheduler.tree_cache
     from sglang.srt.runtime_context import get_parallel
 
@@ -151,9 +162,21 @@ def after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any)
         mrope=bool(scheduler.model_config.model_is_mrope),
         dp_rank=parallel.dp_rank or 0, tp=TensorParallel.of(scheduler))
     STATE.controller, STATE.scheduler = controller, scheduler
+    _warm_kernels(scheduler)
     logger.info("sglang-unicache: scheduler received config method=%s keep_ratio=%s "
                 "min_image_tokens=%s", config.method, config.keep_ratio, config.min_image_tokens)
     return result
+
+
+def _warm_kernels(scheduler: Any) -> None:
+    """The Triton kernels compile now, not inside the first request that compresses."""
+    pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
+    model = scheduler.model_config
+    group = model.num_attention_heads // model.num_key_value_heads
+    dtype = torch.bfloat16 if pool.dtype.itemsize == 1 else pool.dtype  # as prompt_kv reads it
+    warmed = warm_up(pool.device, pool.head_num, pool.head_num * group, pool.head_dim, dtype)
+    if warmed:
+        logger.info("sglang-unicache: kernels compiled at startup: %s", ", ".join(warmed))
 
 
 def _compress(req: Any) -> None:
@@ -295,14 +318,17 @@ def around_stream_accept(original: Any, accumulator: Any, *args: Any, req: Any,
 @hook("sglang.srt.managers.scheduler_components.internal_state."
       "SchedulerInternalStateController.get_internal_state", "AFTER")
 def after_get_internal_state(result: Any, state_controller: Any, *args: Any, **kwargs: Any) -> Any:
-    """``/server_info`` shows the allocator's free slots (also without --unicache) and our stats."""
+    """``/server_info`` shows the allocator's free slots (also without --unicache) and our stats;
+    with ``SGLANG_UNICACHE_CHECK_INTEGRITY=1`` also ``check_integrity``'s findings (it reads the
+    whole pool on the scheduler thread, so it is off unless asked for: tests and benchmarks)."""
     allocator = state_controller.scheduler.token_to_kv_pool_allocator
     result.internal_state["kv_available_slots"] = int(allocator.available_size())
     if STATE.controller is not None:
-        result.internal_state["unicache"] = {
-            **STATE.controller.snapshot(),
-            "integrity": check_integrity(state_controller.scheduler)
-            + STATE.controller.rank_errors()}
+        state = STATE.controller.snapshot()
+        if os.environ.get(CHECK_INTEGRITY) == "1":
+            state["integrity"] = check_integrity(state_controller.scheduler) \
+                + STATE.controller.rank_errors()
+        result.internal_state["unicache"] = state
     return result
 
 

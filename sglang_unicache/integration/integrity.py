@@ -106,8 +106,12 @@ def _check_spans(tree) -> list[str]:
     if tree.host.spans != tree.count_on_host():
         errors.append(f"spans_on_host {tree.host.spans} != the {tree.count_on_host()} host-only "
                       "nodes' spans")
-    stale = [m for m in tree.spans.by_image.values() if id(m) not in attached]
+    indexed = {id(m) for copies in tree.spans.by_image.values() for m in copies}
+    stale = indexed - attached
     if stale:
         errors.append(f"{len(stale)} indexed span(s) belong to no tree node")
+    lost = attached - indexed
+    if lost:
+        errors.append(f"{len(lost)} cached span(s) are not indexed: no request can find them")
     return errors
 

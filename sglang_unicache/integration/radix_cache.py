@@ -361,7 +361,7 @@ class CompressedRadixCache(UnifiedRadixCache):
         k_new = shrunk_count(meta.count, meta.length, settings.factor, settings.floor)
         if k_new >= meta.count:
             return 0
-        new_ids = settings.naming.ids(meta.pad, meta.start, k_new)
+        new_ids = settings.naming.ids(meta.pad, meta.start, k_new, meta.variant)
         if at == 0:
             sibling = node.parent.children.get(
                 RadixKey(array("q", new_ids[:1]), node.key.extra_key,

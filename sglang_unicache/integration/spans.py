@@ -2,12 +2,12 @@
 derived.
 
 A compressed span is keyed in the tree by K token ids derived from the image, its position, the
-config and K itself (``SpanNaming.ids``), so spans of different budgets never share an
-id and the radix tree never splits one (its first id is unique, and no other key contains a
-prefix of it). ``SpanMeta`` is the span's node metadata: original length, the source position
-each entry holds per layer and KV head, merge groups, method, budget, self-check result and
-selection priorities (what re-compression under pressure reads; alignment-protected entries rank
-highest, so the priorities carry the protection).
+config, K itself and, for query-dependent methods, the request that chose it (``SpanNaming.ids``),
+so spans of different budgets never share an id and the radix tree never splits one (its first id is
+unique, and no other key contains a prefix of it). ``SpanMeta`` is the span's node metadata:
+original length, the source position each entry holds per layer and KV head, merge groups, method,
+budget, self-check result and selection priorities (what re-compression under pressure reads;
+alignment-protected entries rank highest, so the priorities carry the protection).
 The tree core attaches it to the node holding the span (``radix_cache.py``); ``SpanIndex`` finds
 it from an image (for match-time rewrites).
 """
@@ -41,11 +41,12 @@ class SpanNaming:
         text = json.dumps(config.to_dict(), sort_keys=True, default=str)
         return cls(hashlib.sha256(text.encode()).hexdigest()[:16])
 
-    def ids(self, pad: int, start: int, count: int) -> tuple[int, ...]:
+    def ids(self, pad: int, start: int, count: int, variant: str = "") -> tuple[int, ...]:
         """One id per kept entry, the same for the same image at the same position under the
-        same config and budget, so the radix tree can share the span; a different budget (e.g.
-        after re-compression) gives ids that share no prefix."""
-        key = f"{pad}:{start}:{self.digest}:{count}".encode()
+        same config, budget and ``variant`` (the request, for a query-dependent selection), so
+        the radix tree can share the span; a different budget (e.g. after re-compression) or
+        variant gives ids that share no prefix."""
+        key = f"{pad}:{start}:{self.digest}:{count}:{variant}".encode()
         digest = int.from_bytes(hashlib.sha256(key).digest()[:8], "big")
         base = COMPRESSED_ID_BASE + (digest & COMPRESSED_ID_MASK)
         return tuple(range(base, base + count))
@@ -64,6 +65,7 @@ class SpanMeta:
     method: str
     keep_ratio: float
     selfcheck: dict | None = None
+    variant: str = ""  # ``SpanNaming.ids``' variant: re-compression keeps it
     recompressions: int = 0
     slots: torch.Tensor | None = field(default=None, repr=False)  # K slots when registered
 
@@ -95,20 +97,30 @@ class SpanMeta:
 class SpanIndex:
     """The spans the radix tree holds, by image: what a later request rewrites its image to. (A
     span's key stays its image when re-compression changes its ids; the tree finds spans by
-    node.) An entry lives exactly as long as the node that holds its span: the radix cache
-    drops it when it evicts the node or is flushed (``radix_cache.py``)."""
+    node.) One image can be cached several times: under different prefixes (two system
+    prompts), or once per request for query-dependent methods. Every copy is indexed, newest
+    last, so evicting one leaves the others findable. An entry lives exactly as long as the node
+    that holds its span: the radix cache drops it when it evicts the node or is flushed
+    (``radix_cache.py``)."""
 
-    by_image: dict[ImageKey, SpanMeta] = field(default_factory=dict)
+    by_image: dict[ImageKey, list[SpanMeta]] = field(default_factory=dict)
     epoch: int = 0  # bumped on every change, ids included: a waiting request's match is stale
 
     def add(self, meta: SpanMeta) -> None:
-        self.by_image[meta.image_key] = meta
+        copies = self.by_image.setdefault(meta.image_key, [])
+        if not any(m is meta for m in copies):
+            copies.append(meta)
         self.epoch += 1
 
     def discard(self, meta: SpanMeta) -> None:
-        if self.by_image.get(meta.image_key) is meta:
-            del self.by_image[meta.image_key]
-            self.epoch += 1
+        copies = self.by_image.get(meta.image_key, [])
+        for i, m in enumerate(copies):
+            if m is meta:
+                del copies[i]
+                if not copies:
+                    del self.by_image[meta.image_key]
+                self.epoch += 1
+                return
 
     def changed(self) -> None:
         """A span's ids changed in place (re-compression)."""
@@ -119,7 +131,17 @@ class SpanIndex:
         self.epoch += 1
 
     def of_image(self, key: ImageKey) -> SpanMeta | None:
-        return self.by_image.get(key)
+        """The newest cached copy of an image."""
+        copies = self.by_image.get(key)
+        return copies[-1] if copies else None
+
+    def id_choices(self, key: ImageKey) -> list[tuple[int, ...]]:
+        """The distinct ids an image is cached under, newest first (what a match tries)."""
+        choices: list[tuple[int, ...]] = []
+        for meta in reversed(self.by_image.get(key, [])):
+            if meta.ids not in choices:
+                choices.append(meta.ids)
+        return choices
 
     def __len__(self) -> int:
-        return len(self.by_image)
+        return sum(len(copies) for copies in self.by_image.values())

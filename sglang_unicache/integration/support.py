@@ -38,9 +38,9 @@ def unsupported_server_args(args: Any) -> str | None:
         # last layers, layer budgets over all of them), which no stage has.
         return f"--pp-size {pp}: pipeline parallel stages cannot agree on one compression " \
                "plan; --unicache supports --tp-size and --dp-size"
-    if getattr(args, "enable_dp_attention", False):
-        return "--enable-dp-attention: data-parallel attention is not supported with " \
-               "--unicache (use --dp-size without it)"
+    refused = _unsupported_attention_layout(args)
+    if refused:
+        return refused
     if getattr(args, "enable_mixed_chunk", False):
         return "--enable-mixed-chunk: mixed prefill/decode batches are not supported with " \
                "--unicache (images in them would never be compressed)"
@@ -55,6 +55,42 @@ def unsupported_server_args(args: Any) -> str | None:
     if dtype in SCALED_KV_DTYPES:
         return f"--kv-cache-dtype {dtype}: KV dtypes with separate scale buffers are not " \
                f"supported with --unicache (use auto, bf16, fp8_e4m3 or fp8_e5m2)"
+    return None
+
+
+def _unsupported_attention_layout(args: Any) -> str | None:
+    """Layouts where the attention hook does not see each request's query rows and every KV
+    slot of its layers on this rank, in one forward per prefill.
+
+    - Attention DP (``--attn-dp-size``; the deprecated ``--enable-dp-attention`` becomes it
+      during resolution, so both are read): the batch is gathered and split across ranks.
+    - Context parallel (``--attn-cp-size``, ``--enable-prefill-cp``) and decode context parallel
+      (``--dcp-size``): a request's query rows and KV are split across ranks, so the capture
+      indexes rows this rank does not hold.
+    - PD multiplexing (``--enable-pdmux``) splits a prefill's layers across forwards, two-batch
+      overlap (``--enable-two-batch-overlap``) runs attention through its own backend's
+      ``forward``, and a full prefill CUDA graph (``--cuda-graph-backend-prefill full``) replays
+      kernels without Python: the capture would miss layers.
+    """
+    attn_dp = getattr(args, "attn_dp_size", 1) or 1
+    if attn_dp > 1 or getattr(args, "enable_dp_attention", False):
+        flag = f"--attn-dp-size {attn_dp}" if attn_dp > 1 else "--enable-dp-attention"
+        return f"{flag}: data-parallel attention is not supported with --unicache (use " \
+               "--dp-size without it)"
+    for name, flag in (("attn_cp_size", "--attn-cp-size"), ("dcp_size", "--dcp-size")):
+        size = getattr(args, name, 1) or 1
+        if size > 1:
+            return f"{flag} {size}: context parallel attention splits a request's queries and " \
+                   "KV across ranks; not supported with --unicache"
+    for name, flag in (("enable_prefill_cp", "--enable-prefill-cp"),
+                       ("enable_pdmux", "--enable-pdmux"),
+                       ("enable_two_batch_overlap", "--enable-two-batch-overlap")):
+        if getattr(args, name, False):
+            return f"{flag}: not supported with --unicache (the prefill's attention runs " \
+                   "where the plugin cannot read its queries)"
+    if getattr(args, "cuda_graph_backend_prefill", None) == "full":
+        return "--cuda-graph-backend-prefill full: a prefill replayed from a CUDA graph hides " \
+               "its queries from --unicache (use breakable or disabled)"
     return None
 
 

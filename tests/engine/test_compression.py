@@ -223,3 +223,9 @@ def test_retracted_requests_are_recompressed_and_leak_nothing(server_factory, no
     assert stats["images_compressed"] > len(bodies)  # retracted ones were compressed again
     flush_cache(server)
     assert available_slots(server) == baseline
+
+
+def test_server_info_shows_the_config_in_effect(compressing):
+    """A pool slot spans every layer, so the server fills every layer to the same count
+    (``layer_fill: next``) whatever the config file says; ``/server_info`` says so."""
+    assert internal_state(compressing)["unicache"]["config"]["layer_fill"] == "next"

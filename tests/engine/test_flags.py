@@ -54,6 +54,13 @@ def error_of(prepare, *argv, model=None) -> str:
     (["--pp-size", "2"], "--pp-size 2: pipeline parallel stages cannot agree on one"),
     (["--enable-dp-attention", "--dp-size", "2", "--tp-size", "2"],
      "--enable-dp-attention: data-parallel attention is not supported"),
+    (["--attn-dp-size", "2", "--tp-size", "2"],
+     "--attn-dp-size 2: data-parallel attention is not supported"),
+    (["--attn-cp-size", "2", "--tp-size", "2"], "--attn-cp-size 2: context parallel attention"),
+    (["--dcp-size", "2", "--tp-size", "2"], "--dcp-size 2: context parallel attention"),
+    (["--enable-pdmux"], "--enable-pdmux: not supported with --unicache"),
+    (["--enable-two-batch-overlap"], "--enable-two-batch-overlap: not supported with --unicache"),
+    (["--cuda-graph-backend-prefill", "full"], "--cuda-graph-backend-prefill full: a prefill"),
     # the tiny model has 2 KV heads: 4 ranks would replicate them
     (["--tp-size", "4"], "--tp-size 4 does not divide the model's 2 KV heads"),
     (["--enable-mixed-chunk"], "--enable-mixed-chunk: mixed prefill/decode batches are not"),

@@ -127,3 +127,4 @@ def test_a_reused_image_skips_the_image_processor_too(compressing, stock):
     assert after["enabled"]
     assert after["hits"] > before["hits"] and after["misses"] == before["misses"]
     assert not internal_state(stock)["mm_preprocess_cache"]["enabled"], "stock SGLang: off"
+

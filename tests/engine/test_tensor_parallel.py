@@ -5,9 +5,16 @@ same sizes, and its ranks never differ (the agreement check, reported by ``check
 Runs the bundled trained checkpoint on the demo's multi-turn chats: the shipped defaults, and
 AirCache (head-averaged layer budgets) with a self-check threshold that some images fail, so
 escalations and fallbacks are agreed too. Every method is covered at the policy level
-(``tests/policy/test_tensor_parallel.py``)."""
+(``tests/policy/test_tensor_parallel.py``).
+
+A failure is agreed as well: when the first plan raises on one rank only (an injected OOM after
+its second collective, ``tests/support/faults``), both ranks keep that request's full KV, as a
+single rank that fails does, and the server goes on answering and compressing."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +26,14 @@ CASES = {
     "aircache, a self-check that trips": ["--unicache-method", "aircache",
                                           "--unicache-keep-ratio", "0.05"],
 }
+FAULTS = str(Path(__file__).parent.parent / "support" / "faults")
+
+
+def fail_on(rank: int) -> dict[str, str]:
+    path = os.pathsep.join(p for p in (FAULTS, os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path, "UNICACHE_TEST_FAIL_RANK": str(rank)}
+
+
 TRIPPING = "selfcheck_threshold: {threshold}\nescalate_max_keep: 0.2\n"
 THRESHOLD = 0.6  # between the bundled images' KL values at keep 0.05 (some pass, some fail)
 GRID = 8
@@ -36,10 +51,24 @@ def test_two_ranks_answer_and_compress_as_one(case: str, tmp_path) -> None:
     two, stats2 = serve_chats([*flags, "--tp-size", "2"], tmp_path / "tp2.log", chats)
     assert two == one
     for key in ("images_compressed", "escalations", "fallbacks", "compressed_slots_held",
-                "spans_reused"):
+                "spans_reused", "errors"):
         assert stats2[key] == stats1[key], key
+    assert stats2["errors"] == 0
     assert stats1["images_compressed"] > 0
     assert stats2["rank_disagreements"] == 0
     assert stats2["integrity"] == []
     if "trips" in case:
         assert stats1["escalations"] > 0, "the threshold must make some image escalate"
+
+
+def test_a_plan_failing_on_one_rank_keeps_full_kv_on_both(tmp_path) -> None:
+    chats = conversations(4, 2, GRID)
+    one, stats1 = serve_chats([], tmp_path / "tp1.log", chats, env=fail_on(0))
+    two, stats2 = serve_chats(["--tp-size", "2"], tmp_path / "tp2.log", chats, env=fail_on(1))
+    assert stats1["errors"] == stats2["errors"] == 1
+    assert two == one
+    for key in ("images_compressed", "fallbacks", "compressed_slots_held", "spans_reused"):
+        assert stats2[key] == stats1[key], key
+    assert stats2["images_compressed"] > 0, "the requests after the failure compress"
+    assert stats2["rank_disagreements"] == 0
+    assert stats2["integrity"] == []

@@ -120,6 +120,8 @@ def test_selfcheck_trips_on_bad_plan() -> None:
     bad = _bad_scorer_method(cfg).plan(inp)
     assert bad.selfcheck.checked and not bad.selfcheck.passed and bad.fallback
     assert bad.selfcheck.kl > cfg.selfcheck_threshold > good.selfcheck.kl
+    assert bad.selfcheck.failure().startswith(f"kl {bad.selfcheck.kl:.3f} > 0.100")
+    assert (good.selfcheck.failure() == "") == good.selfcheck.passed
     assert bad.escalations == 0 and bad.keep_ratio == 0.1
     full = build_method(cfg.replace(method="full")).plan(inp)
     assert full.selfcheck.passed and not full.fallback
@@ -376,6 +378,8 @@ def test_content_check_guards_what_later_questions_need() -> None:
     assert dense.selfcheck.stats["content_lost"] > cfg.selfcheck_content_threshold
     assert dense.fallback and dense.escalations == 2 and dense.keep_ratio == 0.4
     assert dense.selfcheck.value <= cfg.selfcheck_threshold  # the query half alone would pass
+    lost = dense.selfcheck.stats["content_lost"]
+    assert dense.selfcheck.failure() == f"content_lost {lost:.3f} > 0.150"  # the log names it
     off = build_method(cfg.replace(selfcheck_content_threshold=1.0)).plan(_content_inputs(60))
     assert off.selfcheck.passed and not off.fallback
 

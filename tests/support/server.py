@@ -31,11 +31,13 @@ def free_port() -> int:
 
 
 def cpu_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for a CPU server: our platform, quiet warnings, no hub access."""
+    """Environment for a CPU server: our platform, quiet warnings, no hub access, and the
+    plugin's integrity check in ``/server_info``."""
     env = dict(os.environ)
     env.setdefault("SGLANG_PLATFORM", "unicache_cpu")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("PYTHONWARNINGS", "ignore")
+    env.setdefault("SGLANG_UNICACHE_CHECK_INTEGRITY", "1")  # /server_info reports the invariants
     env.update(extra or {})
     return env
 

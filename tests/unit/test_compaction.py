@@ -168,3 +168,121 @@ def test_re_compression_moves_float8_entries_as_stored():
     for layer in range(2):
         for head in range(2):
             assert torch.equal(keys[layer][slots[:2], head].view(torch.uint8), want[layer][head])
+
+
+class CopyingPool:
+    """A pool whose buffers are read through a conversion (as a quantized pool dequantizes):
+    every read is a new tensor, so a write into it is lost."""
+
+    start_layer = 0
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def get_key_buffer(self, layer):
+        return self.pool.get_key_buffer(layer).float()
+
+    def get_value_buffer(self, layer):
+        return self.pool.get_value_buffer(layer).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_only_a_pool_whose_buffers_take_writes_is_accepted(dtype):
+    from sglang_unicache.integration.compaction import unwritable_pool
+
+    pool = MHATokenToKVPool(POOL, 1, dtype, HEADS, DIM, LAYERS, "cpu", False)
+    assert unwritable_pool(pool) is None  # float8 is stored as uint8 and read as a view
+    half = MHATokenToKVPool(POOL, 1, torch.float16, HEADS, DIM, LAYERS, "cpu", False)
+    assert unwritable_pool(CopyingPool(half)) == "CopyingPool returns a copy of its buffers"
+    quantized = CopyingPool(pool)
+    quantized.is_quantized_kv_cache = True  # SGLang's own flag, read first
+    assert unwritable_pool(quantized) == "CopyingPool is a quantized KV cache"
+
+
+def test_an_item_in_two_runs_is_served_on_its_full_kv():
+    """SGLang maps an item's embeddings to its runs by summing the runs' lengths in the ids, so
+    rewriting one run of a multi-run item (video frames apart, say) would shift the slice of a
+    later run still prefilled: such items are neither compressed nor rewritten for reuse. Runs
+    one token apart (Pixtral's row breaks) are one span and stay compressible."""
+    controller, req, *_ = setup(torch.tensor([LENGTH]))
+    item = req.multimodal_inputs.mm_items[0]
+    assert controller.image_spans(req) == [(START, START + N, PAD)]
+    item.offsets = [(START, START + 15), (START + 17, START + N - 1)]  # a row break between
+    assert controller.image_spans(req) == [(START, START + N, PAD)]
+    item.offsets = [(START, START + 12), (START + 20, START + N - 1)]  # text between the runs
+    assert controller.image_spans(req) == [] and controller.multi_run_noted
+    assert controller.new_image_spans(req) == []
+
+
+def test_a_prefill_the_query_hook_missed_keeps_its_full_kv():
+    """A forward that ran some layers' attention past the hook (a CUDA graph, a fused path)
+    left no observation queries for them: the request is not compressed on partial
+    statistics, and the miss is counted."""
+    controller, req, pool, allocator, _ = setup(torch.tensor([LENGTH]))
+    del controller.capture.queries[LAYERS - 1]
+    free, row = allocator.available_size(), controller.req_to_token[1].clone()
+    controller.on_checkpoint(req)
+    assert controller.stats.capture_missed == 1 and controller.stats.images_compressed == 0
+    assert allocator.available_size() == free and torch.equal(controller.req_to_token[1], row)
+    assert req.extend_end == LENGTH
+
+
+class PeerFailsToApply:
+    """Two tensor-parallel ranks where the other rank fails the apply step (this one's
+    succeeded): every rank must end on its full KV."""
+
+    rank = 0
+
+    def __init__(self):
+        self.steps = []
+
+    def shards(self, local_heads):
+        from sglang_unicache.ranks import ONE_RANK
+
+        return ONE_RANK
+
+    def settle(self, failed: bool) -> bool:
+        self.steps.append(failed)
+        return len(self.steps) == 1 and not failed  # the plan agreed, the apply did not
+
+    def agree(self, fingerprint) -> bool:
+        return True
+
+
+def test_a_compression_another_rank_failed_to_apply_is_undone():
+    controller, req, pool, allocator, batch = setup(torch.tensor([LENGTH]))
+    controller.tp = PeerFailsToApply()
+    row = controller.req_to_token[1].clone()
+    k_before = [k.clone() for k in pool.k_buffer]
+    ids, free = array("q", req.origin_input_ids), allocator.available_size()
+    controller.on_checkpoint(req)
+    assert controller.tp.steps == [False, False]  # this rank planned and applied
+    assert controller.stats.errors == 1 and controller.stats.images_compressed == 0
+    assert torch.equal(controller.req_to_token[1], row)
+    assert all(torch.equal(a, b) for a, b in zip(pool.k_buffer, k_before, strict=True))
+    assert allocator.available_size() == free  # nothing freed
+    assert req.origin_input_ids == ids and req.extend_end == LENGTH
+    assert int(batch.seq_lens[0]) == LENGTH and req.kv.kv_allocated_len == LENGTH
+    assert req.unicache_rewrites == [] and getattr(req, "unicache_fresh", None) is None
+
+
+@pytest.mark.parametrize("method, per_request", [("snapkv", True), ("knorm", False)])
+def test_a_query_dependent_span_is_keyed_by_its_request(method, per_request):
+    """Two requests compressing one image in one batch: with a selection that follows the
+    question, each span's ids name its request, so the second insert does not repoint the
+    second request to the first one's slots (a plan never checked for it); a query-independent
+    selection is the same for both, and its ids are shared."""
+    config = UniCacheConfig(method=method, keep_ratio=0.25, selfcheck=False)
+    ids = []
+    for rid in ("a", "b"):
+        controller, req, *_ = setup(torch.tensor([LENGTH]), config=config)
+        req.rid = rid
+        controller.pending[rid] = controller.pending.pop("r")
+        controller.pending[rid].target.rid = rid
+        controller.capture.starts[rid] = controller.capture.starts.pop("r")
+        controller.on_checkpoint(req)
+        assert controller.stats.images_compressed == 1
+        ((_, meta),) = req.unicache_fresh
+        assert list(req.origin_input_ids[START:START + meta.count]) == list(meta.ids)
+        ids.append(meta.ids)
+    assert (ids[0] != ids[1]) == per_request

@@ -77,3 +77,12 @@ def test_a_miscounted_host_tier_is_found(cache):  # noqa: F811
     cache.host.spans += 1  # a demotion counted that the tree does not show
     assert any("spans_on_host 1 != the 0 host-only" in e for e in check_integrity(
         scheduler_of(cache)))
+
+
+def test_a_cached_span_no_request_can_find_is_found(cache):  # noqa: F811
+    """A span in the tree but not in the index: every later request about its image would
+    encode and prefill the image again."""
+    meta, _ = make_span(cache)
+    cache.spans.discard(meta)
+    assert check_integrity(scheduler_of(cache)) == [
+        "1 cached span(s) are not indexed: no request can find them"]

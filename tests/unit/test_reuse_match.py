@@ -127,3 +127,33 @@ def test_a_span_held_in_the_host_tier_counts_as_covered():
     assert seen[-1][START:START + K] == list(meta.ids)
     assert len(req.origin_input_ids) == LENGTH - (N - K)
     assert controller.stats.spans_reused == 1
+
+
+def test_every_cached_copy_of_an_image_stays_findable():
+    """The same image cached under two prefixes (two system prompts: same image key, same ids)
+    or by two requests of a query-dependent method (other ids): evicting the newest copy leaves
+    the other indexed, and a request whose prefix holds only the older copy's ids still reuses
+    it (the match tries the image's next copy when the first is not on its path)."""
+    controller, req, index, older, seen, _ = waiting(tree_holds=LENGTH)
+    newer = SpanMeta(namespace=(None, None), pad=PAD, start=START, length=N,
+                     ids=controller.naming.ids(PAD, START, K, "another request"),
+                     kept=older.kept, priority=older.priority, merged=None, method="unicache",
+                     keep_ratio=0.25)
+    index.add(newer)
+    assert index.of_image(older.image_key) is newer
+    assert index.id_choices(older.image_key) == [newer.ids, older.ids]
+
+    def match():  # the request's prefix holds the older copy only
+        seen.append(list(req.origin_input_ids))
+        on_path = req.origin_input_ids[START:START + K].tolist() == list(older.ids)
+        req.prefix_len = LENGTH - (N - K) - 1 if on_path else START
+
+    controller.match_with_reuse(match, req)
+    assert seen[0][START:START + K] == list(newer.ids)  # the newest copy is tried first
+    assert seen[1][START:START + K] == list(older.ids)
+    assert len(req.origin_input_ids) == LENGTH - (N - K)
+    assert controller.stats.spans_reused == 1
+    index.discard(newer)  # evicted: the older copy is still found
+    assert index.of_image(older.image_key) is older and len(index) == 1
+    index.discard(older)
+    assert index.of_image(older.image_key) is None and len(index) == 0
