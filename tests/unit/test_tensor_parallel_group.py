@@ -34,17 +34,23 @@ def _rank(rank: int, init: str, out) -> None:
     dist.destroy_process_group()
 
 
-def test_two_gloo_ranks_reduce_alike_and_catch_a_difference(tmp_path) -> None:
+def two_ranks(target, tmp_path) -> dict:
+    """Run ``target(rank, init, out)`` in two spawned processes; their results by rank."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=_rank, args=(r, init, out)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, init, out)) for r in range(2)]
     for p in procs:
         p.start()
     results = dict(out.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(timeout=60)
     assert [p.exitcode for p in procs] == [0, 0]
+    return results
+
+
+def test_two_gloo_ranks_reduce_alike_and_catch_a_difference(tmp_path) -> None:
+    results = two_ranks(_rank, tmp_path)
     assert results[0]["heads"] == (6, 0) and results[1]["heads"] == (6, 3)
     for r in (0, 1):
         assert results[r]["sum"] == [3.0, 6.0]
@@ -93,16 +99,7 @@ def _failing_rank(rank: int, init: str, out) -> None:
 
 
 def test_a_rank_that_fails_mid_step_leaves_both_ranks_in_step(tmp_path) -> None:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=_failing_rank, args=(r, init, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    assert [p.exitcode for p in procs] == [0, 0]
+    results = two_ranks(_failing_rank, tmp_path)
     for r in (0, 1):
         assert results[r]["verdicts"] == [False] * len(FAILURES)
         assert results[r]["clean"] is True
