@@ -286,3 +286,14 @@ def test_a_query_dependent_span_is_keyed_by_its_request(method, per_request):
         assert list(req.origin_input_ids[START:START + meta.count]) == list(meta.ids)
         ids.append(meta.ids)
     assert (ids[0] != ids[1]) == per_request
+
+
+def test_every_exported_counter_is_counted():
+    """``/metrics`` reads each of its counters from the controller's (a missing one would raise
+    on the scheduler thread at the first sync)."""
+    from sglang_unicache.integration.metrics import COUNTERS, GAUGES
+
+    controller, *_ = setup(torch.tensor([LENGTH]))
+    assert set(COUNTERS) <= set(controller.counters())
+    assert {"capture_missed", "rank_disagreements", "errors"} <= set(COUNTERS)
+    assert set(GAUGES) == set(controller.gauges())
