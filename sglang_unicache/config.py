@@ -197,7 +197,7 @@ class UniCacheConfig:
     # Before the radix cache evicts a cached compressed span, it shrinks it to this fraction of
     # its entries (lowest selection priority dropped, protected entries kept), down to a floor
     # of recompress_floor x the original span length; only a span at its floor is evicted.
-    recompress: bool = doc(True, section="re-compression under memory pressure (issue 5, ours)")
+    recompress: bool = doc(True, section="re-compression under memory pressure (ours)")
     recompress_factor: float = 0.5
     recompress_floor: float = 0.02
 

@@ -1,4 +1,4 @@
-"""Re-compression of an already compressed span to a smaller budget (issue 5, ours).
+"""Re-compression of an already compressed span to a smaller budget (ours).
 
 A cached compressed span holds K entries per layer and KV head, each with the selection priority
 it was chosen with (``LayerPlan.priority``: protected entries rank above all others, see
@@ -29,7 +29,7 @@ def shrunk_count(current: int, original: int, factor: float, floor: float) -> in
     (``policies.alignment``), and a re-compression is a smaller budget, so they are kept first
     (they rank highest) and dropped last. As a floor they froze every span whose smallest layer
     they filled (a uniform budget: all of them), and the span was evicted instead of halved
-    (BENCHMARKS.md, "Defaults as shipped", session 13)."""
+    (BENCHMARKS.md, "Defaults as shipped")."""
     lowest = max(1, math.ceil(original * floor))
     return max(min(current, lowest), math.ceil(current * factor))
 

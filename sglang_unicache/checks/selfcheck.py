@@ -33,8 +33,9 @@ One statistic needs no query and looks at the first layer instead (ours, not in 
 
 The verdict needs both: the deciding statistic at most ``selfcheck_threshold`` *and*
 ``content_lost`` at most ``selfcheck_content_threshold``. The first guards the question that
-compressed the image, the second the later questions a shared span will be asked (DESIGN §5):
-on issue 13's second task no question-following statistic saw the harm (docs/selfcheck.md).
+compressed the image, the second the later questions a shared span will be asked: on the grid
+task (the second trained model) no question-following statistic saw the harm
+(docs/selfcheck.md).
 
 Means are taken per KV head first, then over the heads of every tensor-parallel rank
 (``ranks.py``), so every rank reaches the same verdict.

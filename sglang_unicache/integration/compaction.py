@@ -89,7 +89,7 @@ def move_entries(k_buffers, v_buffers, slots: torch.Tensor, keep: torch.Tensor) 
 def prompt_kv(k_buffers, v_buffers, row: torch.Tensor) -> tuple[LayerView, LayerView]:
     """The prompt's K and V per layer (``[L, H, D]``, token-major as in the pool), gathered from
     the pool when a layer is read: the policy reads one layer at a time, so a long prompt's K/V
-    is never copied for every layer at once (issue 14, 8c).
+    is never copied for every layer at once.
 
     A float8 pool is read dequantized to bfloat16 (exact: every float8 value is a bfloat16 value),
     so the policy scores what attention sees and an evicted span is written back bit-exact; only

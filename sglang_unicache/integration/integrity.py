@@ -1,4 +1,4 @@
-"""``check_integrity``: the slot and span invariants the plugin relies on, checked (issue 14).
+"""``check_integrity``: the slot and span invariants the plugin relies on, checked.
 
 Every KV slot of the pool is in exactly one place:
 

@@ -1,4 +1,4 @@
-"""Data-parallel routing by image (issue 15): a request goes to the replica that holds its image.
+"""Data-parallel routing by image: a request goes to the replica that holds its image.
 
 SGLang's DP controller routes round robin, so with ``--dp-size 2`` two questions about one image
 land on different replicas and the image is encoded and compressed twice, and never reused. Each
