@@ -351,17 +351,17 @@ class Controller:
     def _step(self, req, name: str, run):
         """Run one step of a compression; its result when every rank succeeded, else None (the
         request keeps its full KV, counted once as an error on every rank)."""
-        failed = False
+        result, failed, peer_failed = None, False, False
         try:
             result = run()
-        except PeerFailed:
-            result, failed = None, None
+        except PeerFailed:  # this rank already knows the verdict: no settle round
+            peer_failed = True
         except Exception:
-            result, failed = None, True
+            failed = True
             logger.exception("sglang-unicache: compression (%s) failed for %s; keeping full KV",
                              name, req.rid)
-        if failed is None or not self.tp.settle(failed):
-            if failed is not True:
+        if peer_failed or not self.tp.settle(failed):
+            if not failed:
                 logger.error("sglang-unicache: another tensor-parallel rank failed to %s %s; "
                              "keeping full KV", name, req.rid)
             if isinstance(result, Applied):
@@ -484,17 +484,15 @@ class Controller:
                     selfcheck, keep_ratio: float) -> list[SpanMeta]:
         pads = {start: pad for start, _, pad in pending.spans}
         row = self.req_to_token[req.kv.req_pool_idx]
-        earlier = rewrites_of(req)[:-1]  # the rewrites before this compression's own
+        *earlier, own = rewrites_of(req)  # this compression's rewrite is the newest
         metas, removed_before, variant = [], 0, self._variant(req)
-        for result, span_plan in zip(results, plans, strict=True):
+        for result, span_plan, span in zip(results, plans, own.spans, strict=True):
             layers = span_plan.layers
             at = result.start - removed_before
             start = original_position(result.start, earlier)
             metas.append((at, SpanMeta(
                 namespace=namespace(req), pad=pads[result.start], start=start,
-                length=result.end - result.start,
-                ids=self.naming.ids(pads[result.start], start, result.count, variant),
-                variant=variant,
+                length=result.end - result.start, ids=span.ids, variant=variant,
                 kept=torch.stack([lp.kept for lp in layers]).to(torch.int32).cpu(),
                 priority=torch.stack([
                     lp.priority if lp.priority is not None

@@ -25,7 +25,7 @@ image loads it back (``init_load_back``). Its metadata stays with the host-only 
 (``SpanTreeCore`` reports every move) and dies only when the host tier evicts the node.
 
 The scheduler side (``controller.py``) talks to it through a narrow protocol: it configures it
-once (``enable_spans`` with ``SpanSettings``), looks spans up by image (``spans.of_image``) and
+once (``enable_spans`` with ``SpanSettings``), looks spans up by image (``spans.id_choices``) and
 reads counters (``held``, ``recompressed``); the cache reads nothing of the controller.
 """
 

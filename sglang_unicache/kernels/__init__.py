@@ -11,6 +11,8 @@ startup rather than inside the first request that compresses.
 
 from __future__ import annotations
 
+import torch
+
 from .reference import merge_gather, window_lse
 from .reference import window_colsum as _window_colsum_ref
 
@@ -31,8 +33,6 @@ def window_colsum(q, k, scale, q_pos, lse, col_mask=None, row_weight=None, chunk
 def warm_up(device, kv_heads: int, q_heads: int, head_dim: int, dtype) -> list[str]:
     """Run each kernel that ``device`` dispatches to once, with the pool's head layout and
     dtype; the kernels run (an empty list on a device with none)."""
-    import torch
-
     from .scatter import scatter_rows_triton, write_compressed
 
     if torch.device(device).type != "cuda":
