@@ -30,10 +30,10 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
-from sglang_unicache.config import UniCacheConfig
-from sglang_unicache.integration import radix_cache
-from sglang_unicache.integration.controller import Controller
-from sglang_unicache.integration.spans import SpanMeta
+from sglang_unicache.engine import radix_cache
+from sglang_unicache.engine.controller import Controller
+from sglang_unicache.engine.spans import SpanMeta
+from sglang_unicache.policy.config import UniCacheConfig
 
 K, TEXT = 8, 6
 

@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from sglang_unicache.compressor import execute
-from sglang_unicache.config import UniCacheConfig
-from sglang_unicache.inputs import ImageSpan, ScoreInputs
-from sglang_unicache.registry import build_method, known_methods
+from sglang_unicache.policy.compressor import execute
+from sglang_unicache.policy.config import UniCacheConfig
+from sglang_unicache.policy.inputs import ImageSpan, ScoreInputs
+from sglang_unicache.policy.registry import build_method, known_methods
 
 
 def make_request(

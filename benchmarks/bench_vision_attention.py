@@ -1,5 +1,5 @@
 """The vision tower's attention on the CPU platform: SGLang's masked batch against one image at a
-time (``sglang_unicache/platform/vision.py``).
+time (``sglang_unicache/platform/cpu/vision.py``).
 
 Times one ``VisionSdpaAttention`` call over ``k`` images of ``n`` patches each, flattened into one
 sequence as Qwen2-VL's tower does: SGLang's own ``forward`` (a block-diagonal ``[1, kn, kn]``
@@ -17,7 +17,7 @@ import time
 import torch
 from sglang.srt.layers.attention.vision import VisionSdpaAttention
 
-from sglang_unicache.platform import vision
+from sglang_unicache.platform.cpu import vision
 
 
 def timed(forward, module, inputs: dict, reps: int) -> tuple[float, torch.Tensor]:

@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 from benchmarks.perf_workload import concurrency, decode, streaming, workload
-from sglang_unicache.quantize import bits_of, host_row_bytes
-from sglang_unicache.registry import known_methods
+from sglang_unicache.policy.quantize import bits_of, host_row_bytes
+from sglang_unicache.policy.registry import known_methods
 from tests.support.client import (
     available_slots,
     chat,

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from examples.demo import BUNDLED, conversations, run
-from sglang_unicache.registry import known_methods
+from sglang_unicache.policy.registry import known_methods
 from tests.support.client import flush_cache, internal_state
 from tests.support.server import start_server
 

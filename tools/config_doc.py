@@ -1,7 +1,7 @@
 """Render the configuration reference (``docs/configuration.md``) from ``UniCacheConfig``.
 
-The reference is made from the dataclass itself: each field's default, and the one-line meaning
-and section title its ``doc(...)`` puts in the field metadata (``sglang_unicache/config.py``), so
+The reference is made from the dataclass itself: each field's default, and the one-line meaning and
+section title its ``doc(...)`` puts in the field metadata (``sglang_unicache/policy/config.py``), so
 it cannot drift; a unit test fails when the committed file is stale. Run from the repository root:
 
     python -m tools.config_doc > docs/configuration.md
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from sglang_unicache.config import PRESETS, UniCacheConfig
+from sglang_unicache.policy.config import PRESETS, UniCacheConfig
 
 # A paragraph under a section, where its defaults need the story of how they were chosen.
 NOTES = {
@@ -33,7 +33,7 @@ def render() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `sglang_unicache/config.py` by `python -m tools.config_doc`;",
+        "Generated from `sglang_unicache/policy/config.py` by `python -m tools.config_doc`;",
         "do not edit by hand. Pass any key in a JSON or YAML file with `--unicache-config PATH`",
         "(flags `--unicache-method`, `--unicache-keep-ratio`, `--unicache-min-image-tokens` win",
         "over the file). Unknown keys and out-of-range values stop the server with one line.",

@@ -182,9 +182,10 @@ def run_transformers(args, settings: list[str], method: str = "full", ratio: flo
     """The ``transformers`` entry: the first ``args.transformers_check`` scored items of each
     setting, answered by the checkpoint through transformers with the server's token limits.
     With a method other than ``full``, only the ``long`` setting (each question its own first
-    request) and through ``sglang_unicache.press``: entry ``transformers-<method>``."""
+    request) and through ``sglang_unicache.adapters.transformers``: entry
+    ``transformers-<method>``."""
     from benchmarks.quality.hf_reference import hf_answers
-    from sglang_unicache.config import UniCacheConfig
+    from sglang_unicache.policy.config import UniCacheConfig
 
     n = args.transformers_check
     start = time.perf_counter()
@@ -232,8 +233,9 @@ def main() -> None:
                              "with transformers (method 'transformers'); 0 skips it")
     parser.add_argument("--transformers-methods", default="", metavar="M1,M2",
                         help="with --transformers-check: also answer the long setting through "
-                             "sglang_unicache.press with each method at each ratio (the same "
-                             "policy config as the servers), entries 'transformers-<method>'")
+                             "sglang_unicache.adapters.transformers with each method at each "
+                             "ratio (the same policy config as the servers), entries "
+                             "'transformers-<method>'")
     parser.add_argument("--selfcheck", choices=("off", "on", "record"), default="off",
                         help="off: score the method itself; on: the shipped self-check (and its "
                              "escalation); record: compute every self-check statistic but never "

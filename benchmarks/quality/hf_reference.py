@@ -5,10 +5,10 @@ same prompt (chat template: user turn with the image, then the question), greedy
 gap means the serving path (processor, template, model port) differs from training, not that a
 compression method lost information.
 
-With ``press`` (a ``UniCacheConfig``) the answers come through ``sglang_unicache.press``: the
-library's plan applied to the transformers cache after prefill, an implementation of compression
-independent of the server's (no pool, no compaction, no radix tree), to compare the server's
-compressed accuracy with.
+With ``press`` (a ``UniCacheConfig``) the answers come through
+``sglang_unicache.adapters.transformers``: the library's plan applied to the transformers cache
+after prefill, an implementation of compression independent of the server's (no pool, no compaction,
+no radix tree), to compare the server's compressed accuracy with.
 
     from benchmarks.quality.hf_reference import hf_answers
     answers = hf_answers("runs/tiny-vqa-qwen2-vl", items, max_new_tokens=4)
@@ -22,8 +22,8 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from benchmarks.quality.vqa_data import VQAItem
-from sglang_unicache.config import UniCacheConfig
-from sglang_unicache.press import compress
+from sglang_unicache.adapters.transformers import compress
+from sglang_unicache.policy.config import UniCacheConfig
 
 
 def hf_answers(model_dir: str | Path, items: Sequence[VQAItem], max_new_tokens: int = 12,

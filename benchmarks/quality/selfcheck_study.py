@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from sglang_unicache.config import SELFCHECK_STATISTICS, UniCacheConfig
+from sglang_unicache.policy.config import SELFCHECK_STATISTICS, UniCacheConfig
 
 
 def auc(scores: list[float], labels: list[bool]) -> float:

@@ -1,1 +1,1 @@
-"""Platforms: the out-of-tree CPU platform that runs the real SGLang engine with no GPU."""
+"""Out-of-tree SGLang platforms: ``cpu/`` runs the real engine on a CPU (``unicache_cpu``)."""

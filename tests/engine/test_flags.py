@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sglang_unicache.registry import known_methods
+from sglang_unicache.policy.registry import known_methods
 from tests.support.server import cpu_env
 
 
@@ -80,7 +80,7 @@ def test_unknown_and_bad_config_keys(prepare, tmp_path):
 
 
 def test_config_file_and_flags_compose(prepare, tmp_path):
-    from sglang_unicache.integration.flags import config_of
+    from sglang_unicache.engine.flags import config_of
 
     path = tmp_path / "u.yaml"
     path.write_text("method: snapkv\nkeep_ratio: 0.3\nobservation_window: 8\n")

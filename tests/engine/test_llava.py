@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_unicache.config import UniCacheConfig
+from sglang_unicache.policy.config import UniCacheConfig
 from tests.engine.test_reference import kept_entries
 from tests.support.client import answer, chat, internal_state
 from tests.support.images import image_chat, solid_png

@@ -1,7 +1,6 @@
-"""Two ``--unicache`` servers behind ``sglang-router`` (issue 15, the ``scale`` extra): with the
-``manual`` policy and ``sglang_unicache.client.routing_headers``, each image is compressed once,
-on one server, every later question about it reuses the span there, and the images are spread
-over both servers."""
+"""Two ``--unicache`` servers behind ``sglang-router`` (the ``scale`` extra): with the ``manual``
+policy and ``sglang_unicache.client.routing_headers``, each image is compressed once, on one server,
+every later question about it reuses the span there, and the images are spread over both servers."""
 
 from __future__ import annotations
 

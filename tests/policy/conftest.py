@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_unicache.inputs import ImageSpan, ScoreInputs
+from sglang_unicache.policy.inputs import ImageSpan, ScoreInputs
 
 
 def make_inputs(

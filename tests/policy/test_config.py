@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from sglang_unicache.config import PRESETS, UniCacheConfig
-from sglang_unicache.registry import build_method, known_methods
+from sglang_unicache.policy.config import PRESETS, UniCacheConfig
+from sglang_unicache.policy.registry import build_method, known_methods
 
 
 def test_defaults_are_seed_8_1() -> None:
@@ -72,8 +72,8 @@ def test_the_flag_and_the_docs_list_every_registered_method() -> None:
     import re
     from pathlib import Path
 
-    from sglang_unicache.catalog import METHODS
-    from sglang_unicache.integration.flags import FLAGS
+    from sglang_unicache.engine.flags import FLAGS
+    from sglang_unicache.policy.catalog import METHODS
 
     help_text = next(f for f in FLAGS if f.option == "--unicache-method").help
     assert all(name in help_text for name in known_methods())

@@ -7,16 +7,20 @@ import math
 import pytest
 import torch
 
-from sglang_unicache.budgets.aircache import aircache_factors, sample_skewness
-from sglang_unicache.budgets.base import apportion
-from sglang_unicache.budgets.modality import cap_with_overflow, density_rates, pairwise_cosine
-from sglang_unicache.budgets.pyramid import pyramid_factors
-from sglang_unicache.budgets.unicache import cosine_rates
-from sglang_unicache.checks.dynamic_rate import complexity, rate_from_complexity
-from sglang_unicache.config import UniCacheConfig
-from sglang_unicache.policies.alignment import protected_count
-from sglang_unicache.policies.unicache import layer_weights
-from sglang_unicache.registry import build_method
+from sglang_unicache.policy.budgets.aircache import aircache_factors, sample_skewness
+from sglang_unicache.policy.budgets.base import apportion
+from sglang_unicache.policy.budgets.modality import (
+    cap_with_overflow,
+    density_rates,
+    pairwise_cosine,
+)
+from sglang_unicache.policy.budgets.pyramid import pyramid_factors
+from sglang_unicache.policy.budgets.unicache import cosine_rates
+from sglang_unicache.policy.checks.dynamic_rate import complexity, rate_from_complexity
+from sglang_unicache.policy.config import UniCacheConfig
+from sglang_unicache.policy.registry import build_method
+from sglang_unicache.policy.scorers.alignment import protected_count
+from sglang_unicache.policy.scorers.unicache import layer_weights
 
 from .conftest import make_inputs
 
@@ -135,8 +139,8 @@ def test_alignment_discount_count() -> None:
 
 
 def test_aircache_layer_budgets_follow_strength_and_skewness() -> None:
-    from sglang_unicache.context import PlanContext
-    from sglang_unicache.policies.aircache import elite_importance
+    from sglang_unicache.policy.context import PlanContext
+    from sglang_unicache.policy.scorers.aircache import elite_importance
 
     inp = make_inputs(layers=4)
     cfg = UniCacheConfig(method="aircache", keep_ratio=0.2, selfcheck=False)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_unicache.config import UniCacheConfig
-from sglang_unicache.inputs import ScoreInputs
-from sglang_unicache.registry import build_method
+from sglang_unicache.policy.config import UniCacheConfig
+from sglang_unicache.policy.inputs import ScoreInputs
+from sglang_unicache.policy.registry import build_method
 from tests.policy.conftest import make_inputs
 
 

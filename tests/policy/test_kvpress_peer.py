@@ -17,9 +17,9 @@ import torch
 
 kvpress = pytest.importorskip("kvpress")
 
-from sglang_unicache.config import UniCacheConfig  # noqa: E402
-from sglang_unicache.inputs import ImageSpan, ScoreInputs  # noqa: E402
-from sglang_unicache.registry import build_method  # noqa: E402
+from sglang_unicache.policy.config import UniCacheConfig  # noqa: E402
+from sglang_unicache.policy.inputs import ImageSpan, ScoreInputs  # noqa: E402
+from sglang_unicache.policy.registry import build_method  # noqa: E402
 
 T, H, G, D, W, K = 96, 2, 3, 16, 8, 20
 
@@ -65,7 +65,7 @@ def test_knorm_keeps_what_kvpress_keeps():
 
 
 def test_streaming_llm_keeps_what_kvpress_keeps():
-    """Added in one file (``policies/streaming_llm.py``): the sinks and the latest tokens."""
+    """Added in one file (``scorers/streaming_llm.py``): the sinks and the latest tokens."""
     keys, values, queries = tensors(3)
     press = kvpress.StreamingLLMPress(compression_ratio=1 - K / T)
     theirs = press.score(MODULE, torch.zeros(1, T, 1), keys.transpose(0, 1)[None],

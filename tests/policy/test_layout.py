@@ -1,5 +1,6 @@
-"""The shape of the policy layer: its import graph has no cycles and never points upwards, every
-module imports on its own, and every part's parameters are its own fields with the config's
+"""The shape of the package: every module in a layer folder that imports only the layers below it,
+the policy layer's import graph without cycles and never pointing upwards, every policy module
+importing on its own, and every part's parameters are its own fields with the config's
 defaults (the registry copies them from ``UniCacheConfig``; no part reads the config)."""
 
 from __future__ import annotations
@@ -12,49 +13,62 @@ from pathlib import Path
 
 import pytest
 
-from sglang_unicache.budgets.modality import ModalityBudget
-from sglang_unicache.catalog import from_config
-from sglang_unicache.checks.dynamic_rate import DynamicRate
-from sglang_unicache.checks.selfcheck import SelfCheck
-from sglang_unicache.config import UniCacheConfig
-from sglang_unicache.context import PlanContext
-from sglang_unicache.registry import BUDGETS, REDUCERS, SCORERS
+from sglang_unicache.policy.budgets.modality import ModalityBudget
+from sglang_unicache.policy.catalog import from_config
+from sglang_unicache.policy.checks.dynamic_rate import DynamicRate
+from sglang_unicache.policy.checks.selfcheck import SelfCheck
+from sglang_unicache.policy.config import UniCacheConfig
+from sglang_unicache.policy.context import PlanContext
+from sglang_unicache.policy.registry import BUDGETS, REDUCERS, SCORERS
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "sglang_unicache"
 
-# Bottom to top: a module imports only from lower ranks (and its own subpackage).
+# The package's folders and what each may import of the package (its own folder always) and
+# whether it may import SGLang. Every module lives in one of them.
+LAYERS = {
+    "policy": (set(), False),  # pure torch
+    "engine": ({"policy"}, True),  # the only SGLang importer besides the platform
+    "adapters": ({"policy"}, False),  # the methods on a plain transformers model
+    "client": (set(), False),  # the router client: nothing of torch or SGLang
+    "platform": ({"policy"}, True),  # the out-of-tree CPU platform (its host copies quantize)
+}
+
+# Inside policy/, bottom to top: a module imports only from lower ranks (and its own subpackage).
 RANKS = [
     {"catalog", "config", "serial", "shrink", "kernels"},
     {"inputs", "heads", "signals", "ranks"},
     {"plans"},
     {"context", "quantize"},
     {"executor"},
-    {"policies", "budgets", "reducers", "checks"},  # the parts
+    {"scorers", "budgets", "reducers", "checks"},  # the parts
     {"compressor"},
     {"registry"},
-    {"press"},  # the transformers entry point: builds methods by name
 ]
 # The parts are peers; two of them use another's code, never the other way round.
 PEER_USES = {
-    ("budgets", "policies"),  # the AirCache budget reads the AirCache scorer's elite window
+    ("budgets", "scorers"),  # the AirCache budget reads the AirCache scorer's elite window
 }
 RANK = {unit: i for i, units in enumerate(RANKS) for unit in units}
 
 
-def policy_modules() -> list[str]:
-    """Every module of the policy layer (the package minus the engine side)."""
+def package_modules(folder: str | None = None) -> list[str]:
+    """Every module of the package (or of one of its folders), dotted."""
     mods = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(ROOT).with_suffix("")
-        if rel.parts[1].removesuffix(".py") in RANK:
+        if folder is None or (len(rel.parts) > 2 and rel.parts[1] == folder):
             mods.append(".".join(rel.parts).removesuffix(".__init__"))
     return mods
 
 
+def policy_modules() -> list[str]:
+    return package_modules("policy")
+
+
 def module_imports(name: str) -> set[str]:
-    """``sglang_unicache`` modules (and ``sglang``) imported at module level, TYPE_CHECKING
-    blocks included, lazy imports inside functions not."""
+    """Top-level packages and ``sglang_unicache`` modules imported at module level,
+    TYPE_CHECKING blocks included, lazy imports inside functions not."""
     path = ROOT / (name.replace(".", "/") + ".py")
     if not path.exists():
         path = ROOT / name.replace(".", "/") / "__init__.py"
@@ -78,20 +92,52 @@ def module_imports(name: str) -> set[str]:
                     out.update(f"{base}.{a.name}" for a in node.names)
 
     visit(ast.parse(path.read_text()).body)
-    return {m for m in out if m.split(".")[0] in ("sglang", "sglang_unicache")}
+    return out
+
+
+def folder(module: str) -> str:
+    """The package folder a dotted module lives in ("" for the package's own ``__init__``)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS) else ""
 
 
 def unit(module: str) -> str:
-    return module.split(".")[1].removesuffix(".py") if "." in module else ""
+    """A policy module's unit: ``sglang_unicache.policy.budgets.base`` -> ``budgets``."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else ""
+
+
+def test_every_module_lives_in_a_layer_folder() -> None:
+    loose = [m for m in package_modules() if m != "sglang_unicache" and folder(m) not in LAYERS]
+    assert not loose, f"modules outside {sorted(LAYERS)}: {loose}"
+
+
+@pytest.mark.parametrize("name", [m for m in package_modules() if folder(m) in LAYERS])
+def test_each_folder_imports_only_what_its_layer_may(name: str) -> None:
+    mine = folder(name)
+    allowed, may_import_sglang = LAYERS[mine]
+    for dep in module_imports(name):
+        top = dep.split(".")[0]
+        if top == "sglang":
+            assert may_import_sglang, f"{name} imports {dep}: {mine}/ imports no SGLang"
+        elif top == "sglang_unicache":
+            theirs = folder(dep)
+            assert theirs in allowed | {mine, ""}, (
+                f"{name} imports {dep}: {mine}/ may import {sorted(allowed) or 'nothing'} "
+                "of the package"
+            )
+        elif top == "torch":
+            assert mine != "client", f"{name} imports torch: the client is plain Python"
 
 
 @pytest.mark.parametrize("name", policy_modules())
-def test_imports_point_downwards(name: str) -> None:
+def test_policy_imports_point_downwards(name: str) -> None:
     mine = unit(name)
+    if not mine:
+        pytest.skip("policy/__init__.py is the layer's table of contents: it exports from any rank")
     for dep in module_imports(name):
-        assert dep.split(".")[0] != "sglang", (
-            f"{name} imports {dep}: the policy layer is pure torch"
-        )
+        if dep.split(".")[0] != "sglang_unicache" or folder(dep) != "policy":
+            continue
         theirs = unit(dep)
         if theirs in ("", mine):
             continue
@@ -101,7 +147,7 @@ def test_imports_point_downwards(name: str) -> None:
 
 def test_every_module_imports_on_its_own() -> None:
     """Each module imported first, in a fresh package: an import cycle would fail here."""
-    names = [n for n in policy_modules() if n != "sglang_unicache.kernels.window_score"]
+    names = [n for n in policy_modules() if n != "sglang_unicache.policy.kernels.window_score"]
     code = (
         "import importlib, sys\n"
         f"for name in {names!r}:\n"

@@ -12,10 +12,10 @@ import io
 import pytest
 import torch
 
-from sglang_unicache.compressor import execute
-from sglang_unicache.config import UniCacheConfig
-from sglang_unicache.plans import CompressionPlan
-from sglang_unicache.registry import build_method, known_methods
+from sglang_unicache.policy.compressor import execute
+from sglang_unicache.policy.config import UniCacheConfig
+from sglang_unicache.policy.plans import CompressionPlan
+from sglang_unicache.policy.registry import build_method, known_methods
 
 from .conftest import make_inputs
 

@@ -8,17 +8,17 @@ import math
 import pytest
 import torch
 
-from sglang_unicache.compressor import Method, execute
-from sglang_unicache.config import UniCacheConfig
-from sglang_unicache.context import PlanContext
-from sglang_unicache.heads import apply_head_merge, plan_head_merge
-from sglang_unicache.inputs import ImageSpan, ScoreInputs
-from sglang_unicache.kernels.reference import merge_gather
-from sglang_unicache.policies.aircache import elite_importance, elite_window
-from sglang_unicache.quantize import dequantize, quantize, quantized_nbytes
-from sglang_unicache.reducers.merge import merge_weights
-from sglang_unicache.registry import BUDGETS, REDUCERS, build_method
-from sglang_unicache.signals import neighbour_redundancy
+from sglang_unicache.policy.compressor import Method, execute
+from sglang_unicache.policy.config import UniCacheConfig
+from sglang_unicache.policy.context import PlanContext
+from sglang_unicache.policy.heads import apply_head_merge, plan_head_merge
+from sglang_unicache.policy.inputs import ImageSpan, ScoreInputs
+from sglang_unicache.policy.kernels.reference import merge_gather
+from sglang_unicache.policy.quantize import dequantize, quantize, quantized_nbytes
+from sglang_unicache.policy.reducers.merge import merge_weights
+from sglang_unicache.policy.registry import BUDGETS, REDUCERS, build_method
+from sglang_unicache.policy.scorers.aircache import elite_importance, elite_window
+from sglang_unicache.policy.signals import neighbour_redundancy
 
 from .conftest import make_inputs
 
@@ -165,8 +165,8 @@ def test_an_escalation_reuses_what_does_not_depend_on_the_plan(monkeypatch) -> N
     """Issue 19: each re-plan at a doubled K recomputes only what K changes. The self-check's
     attention over the whole request (two passes per checked layer) and the merge's unit K/V
     are computed once per request, however many times the check escalates."""
-    from sglang_unicache.checks import selfcheck
-    from sglang_unicache.reducers import merge
+    from sglang_unicache.policy.checks import selfcheck
+    from sglang_unicache.policy.reducers import merge
 
     inp = make_inputs(group=1)
     q = torch.stack([inp.keys[li][[7, 7, 7, 63, 63, 63]] * 6.0 for li in range(3)])
@@ -330,7 +330,7 @@ def test_short_spans_are_skipped_and_methods_declare_capabilities() -> None:
 
 
 def test_grid_redundancy_uses_vertical_neighbours() -> None:
-    from sglang_unicache.signals import grid_redundancy
+    from sglang_unicache.policy.signals import grid_redundancy
 
     # 2 x 3 grid, columns identical top to bottom, columns mutually orthogonal
     col = torch.eye(3).reshape(1, 3, 1, 3).expand(2, 3, 1, 3).reshape(6, 1, 3)
@@ -400,7 +400,7 @@ def test_hopeless_levels_are_skipped_with_the_same_outcome(monkeypatch, method, 
     """A keep level whose best possible kept set already loses more content than the self-check
     allows is not planned (``Method._skip_hopeless``): the request ends with the plan, check,
     keep ratio and escalation count that planning every level gives, in fewer plans."""
-    from sglang_unicache.checks.selfcheck import SelfCheck
+    from sglang_unicache.policy.checks.selfcheck import SelfCheck
 
     def outcome(plan):
         kept = [[lp.kept.tolist() for lp in sp.layers] for sp in plan.spans]
@@ -436,8 +436,8 @@ def test_hopeless_levels_are_skipped_with_the_same_outcome(monkeypatch, method, 
 def test_content_floor_bounds_every_plan_of_its_size() -> None:
     """``content_floor`` is the least ``content_lost`` of a kept set of its size per head: no
     random set loses less, and each head's top-K by content loses exactly that."""
-    from sglang_unicache.checks.selfcheck import _content, content_floor, content_lost
-    from sglang_unicache.plans import CompressionPlan, LayerPlan
+    from sglang_unicache.policy.checks.selfcheck import _content, content_floor, content_lost
+    from sglang_unicache.policy.plans import CompressionPlan, LayerPlan
 
     inp = make_inputs(layers=1, spans=((0, 100),))
     ctx = PlanContext(inputs=inp)

@@ -1,6 +1,6 @@
-"""The transformers entry point (``sglang_unicache.press``) on the bundled trained Qwen2-VL: the
-same plan as the library, applied to the model's cache; method ``full`` changes no token; a
-compressed cache holds fewer entries and still answers."""
+"""The transformers entry point (``sglang_unicache.adapters.transformers``) on the bundled trained
+Qwen2-VL: the same plan as the library, applied to the model's cache; method ``full`` changes no
+token; a compressed cache holds fewer entries and still answers."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from benchmarks.quality.vqa_data import make_split
-from sglang_unicache.config import UniCacheConfig
-from sglang_unicache.inputs import ScoreInputs
-from sglang_unicache.press import compress, image_spans
-from sglang_unicache.registry import build_method
+from sglang_unicache.adapters.transformers import compress, image_spans
+from sglang_unicache.policy.config import UniCacheConfig
+from sglang_unicache.policy.inputs import ScoreInputs
+from sglang_unicache.policy.registry import build_method
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,11 +12,11 @@ import textwrap
 import pytest
 import torch
 
-from sglang_unicache.compressor import execute
-from sglang_unicache.config import UniCacheConfig
-from sglang_unicache.inputs import ScoreInputs
-from sglang_unicache.kernels.reference import window_colsum, window_lse
-from sglang_unicache.registry import build_method
+from sglang_unicache.policy.compressor import execute
+from sglang_unicache.policy.config import UniCacheConfig
+from sglang_unicache.policy.inputs import ScoreInputs
+from sglang_unicache.policy.kernels.reference import window_colsum, window_lse
+from sglang_unicache.policy.registry import build_method
 
 from .conftest import make_inputs, window_case
 
@@ -104,8 +104,8 @@ def test_triton_kernel_matches_reference_interpreted() -> None:
         import torch, sys
         sys.path.insert(0, {here!r})
         from conftest import window_case
-        from sglang_unicache.kernels.reference import window_colsum, window_lse
-        from sglang_unicache.kernels.window_score import window_colsum_triton
+        from sglang_unicache.policy.kernels.reference import window_colsum, window_lse
+        from sglang_unicache.policy.kernels.window_score import window_colsum_triton
         for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
             q, k, pos, col, rw = window_case()
             q, k = q.to(dtype), k.to(dtype)

@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
-from sglang_unicache.config import UniCacheConfig
-from sglang_unicache.inputs import ImageSpan
-from sglang_unicache.plans import (
+from sglang_unicache.policy.config import UniCacheConfig
+from sglang_unicache.policy.inputs import ImageSpan
+from sglang_unicache.policy.plans import (
     ByteReport,
     CompressedKV,
     CompressionPlan,
@@ -20,8 +20,8 @@ from sglang_unicache.plans import (
     RequestPlan,
     SelfCheckResult,
 )
-from sglang_unicache.quantize import quantize
-from sglang_unicache.registry import build_method
+from sglang_unicache.policy.quantize import quantize
+from sglang_unicache.policy.registry import build_method
 
 from .conftest import make_inputs
 

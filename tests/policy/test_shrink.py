@@ -1,13 +1,13 @@
-"""Re-compression of a compressed span to a smaller budget (sglang_unicache.shrink)."""
+"""Re-compression of a compressed span to a smaller budget (sglang_unicache.policy.shrink)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sglang_unicache.config import UniCacheConfig
-from sglang_unicache.registry import build_method
-from sglang_unicache.shrink import shrink_order, shrunk_count
+from sglang_unicache.policy.config import UniCacheConfig
+from sglang_unicache.policy.registry import build_method
+from sglang_unicache.policy.shrink import shrink_order, shrunk_count
 from tests.policy.conftest import make_inputs
 
 

@@ -13,10 +13,10 @@ import threading
 import pytest
 import torch
 
-from sglang_unicache.config import UniCacheConfig
-from sglang_unicache.inputs import ScoreInputs
-from sglang_unicache.ranks import HeadShards
-from sglang_unicache.registry import build_method, known_methods
+from sglang_unicache.policy.config import UniCacheConfig
+from sglang_unicache.policy.inputs import ScoreInputs
+from sglang_unicache.policy.ranks import HeadShards
+from sglang_unicache.policy.registry import build_method, known_methods
 
 from .conftest import make_inputs
 

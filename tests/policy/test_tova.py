@@ -1,10 +1,10 @@
-"""TOVA, added as one file (``policies/tova.py``): every head keeps the same tokens, those the
+"""TOVA, added as one file (``scorers/tova.py``): every head keeps the same tokens, those the
 last position attends to most."""
 
 from __future__ import annotations
 
-from sglang_unicache.config import UniCacheConfig
-from sglang_unicache.registry import build_method
+from sglang_unicache.policy.config import UniCacheConfig
+from sglang_unicache.policy.registry import build_method
 from tests.policy.conftest import make_inputs
 
 

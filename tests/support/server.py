@@ -4,7 +4,9 @@ Binds 127.0.0.1 on a free port, waits for readiness with a bounded timeout, keep
 file, and stops the whole process tree by PID. The port is picked before the server binds it (a
 minute later on a loaded machine), so another process can take it first: a server that exits
 with "address already in use" is started again on another port. A server that exits is noticed
-at once (its log tail is raised), not after the timeout.
+at once (its log tail is raised), not after the timeout. A start that hangs past the timeout is
+stopped and tried once more on another port (its log tail goes to stderr, and into the error if
+the second try hangs too).
 
 ``UNICACHE_SERVER_START_TIMEOUT`` (seconds, default 300) bounds each start.
 """
@@ -73,7 +75,8 @@ class Server:
                 pass
             time.sleep(0.5)
         self.stop()
-        raise TimeoutError(f"server not ready after {timeout:.0f}s; log: {self.log_path}")
+        raise TimeoutError(f"server not ready after {timeout:.0f}s; log: {self.log_path}\n"
+                           + self.log()[-4000:])
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.process.poll() is not None:
@@ -90,6 +93,7 @@ class Server:
 
 PORT_TAKEN = "address already in use"
 START_ATTEMPTS = 3
+HUNG_ATTEMPTS = 2
 
 
 class PortTaken(RuntimeError):
@@ -104,9 +108,11 @@ def launch(command: Callable[[int], list[str]], log_path: str | Path, *,
            env: dict[str, str] | None = None, timeout: float | None = None,
            args: Sequence[str] = ()) -> Server:
     """Run ``command(port)`` in its own process group until it answers ``/health``; again on a
-    new port when the one picked was taken meanwhile (up to ``START_ATTEMPTS`` times)."""
+    new port when the one picked was taken meanwhile (up to ``START_ATTEMPTS`` times) or the start
+    hung (up to ``HUNG_ATTEMPTS`` times)."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    hung = 0
     for attempt in range(1, START_ATTEMPTS + 1):
         port = free_port()
         with open(log_path, "w") as log:
@@ -116,6 +122,11 @@ def launch(command: Callable[[int], list[str]], log_path: str | Path, *,
         try:
             server.wait_ready(start_timeout() if timeout is None else timeout)
             return server
+        except TimeoutError as error:
+            hung += 1
+            if hung == HUNG_ATTEMPTS or attempt == START_ATTEMPTS:
+                raise
+            print(f"warning: {error}\nstarting it again", file=sys.stderr)
         except RuntimeError:
             if PORT_TAKEN not in server.log().lower() or attempt == START_ATTEMPTS:
                 raise

@@ -16,10 +16,10 @@ pytest.importorskip("sglang")
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 
-from sglang_unicache.config import UniCacheConfig  # noqa: E402
-from sglang_unicache.integration import controller as controller_module  # noqa: E402
-from sglang_unicache.integration.capture import CaptureTarget, QueryCapture  # noqa: E402
-from sglang_unicache.integration.controller import Controller, Pending  # noqa: E402
+from sglang_unicache.engine import controller as controller_module  # noqa: E402
+from sglang_unicache.engine.capture import CaptureTarget, QueryCapture  # noqa: E402
+from sglang_unicache.engine.controller import Controller, Pending  # noqa: E402
+from sglang_unicache.policy.config import UniCacheConfig  # noqa: E402
 
 LAYERS, HEADS, DIM, POOL = 2, 2, 8, 128
 PAD, START, N, LENGTH = 1_000_777, 3, 32, 45  # a 32-token image at 3..35 of a 45-token prompt
@@ -156,7 +156,7 @@ def test_a_quantized_or_half_pool_is_compressed_in_its_dtype(dtype):
 
 
 def test_re_compression_moves_float8_entries_as_stored():
-    from sglang_unicache.integration.compaction import move_entries
+    from sglang_unicache.engine.compaction import move_entries
 
     keys = [torch.randn(16, 2, 4).to(torch.float8_e5m2) for _ in range(2)]
     values = [torch.randn(16, 2, 4).to(torch.float8_e5m2) for _ in range(2)]
@@ -188,7 +188,7 @@ class CopyingPool:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_only_a_pool_whose_buffers_take_writes_is_accepted(dtype):
-    from sglang_unicache.integration.compaction import unwritable_pool
+    from sglang_unicache.engine.compaction import unwritable_pool
 
     pool = MHATokenToKVPool(POOL, 1, dtype, HEADS, DIM, LAYERS, "cpu", False)
     assert unwritable_pool(pool) is None  # float8 is stored as uint8 and read as a view
@@ -237,7 +237,7 @@ class PeerFailsToApply:
         self.steps = []
 
     def shards(self, local_heads):
-        from sglang_unicache.ranks import ONE_RANK
+        from sglang_unicache.policy.ranks import ONE_RANK
 
         return ONE_RANK
 
@@ -291,7 +291,7 @@ def test_a_query_dependent_span_is_keyed_by_its_request(method, per_request):
 def test_every_exported_counter_is_counted():
     """``/metrics`` reads each of its counters from the controller's (a missing one would raise
     on the scheduler thread at the first sync)."""
-    from sglang_unicache.integration.metrics import COUNTERS, GAUGES
+    from sglang_unicache.engine.metrics import COUNTERS, GAUGES
 
     controller, *_ = setup(torch.tensor([LENGTH]))
     assert set(COUNTERS) <= set(controller.counters())

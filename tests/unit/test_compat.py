@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_unicache.integration import compat, hooks
+from sglang_unicache.engine import compat, hooks
 
 
 def test_installed_version_is_the_pinned_one():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from sglang_unicache.config import UniCacheConfig
+from sglang_unicache.policy.config import UniCacheConfig
 from tools.config_doc import render
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"

@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from sglang_unicache.config import UniCacheConfig  # noqa: E402
-from sglang_unicache.integration.controller import FALLBACK_WINDOW, Controller  # noqa: E402
+from sglang_unicache.engine.controller import FALLBACK_WINDOW, Controller  # noqa: E402
+from sglang_unicache.policy.config import UniCacheConfig  # noqa: E402
 
 
 def warnings_of(caplog) -> list[str]:

@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("sglang")
 
-from sglang_unicache.integration.integrity import check_integrity  # noqa: E402
-from sglang_unicache.integration.radix_cache import spans_of  # noqa: E402
+from sglang_unicache.engine.integrity import check_integrity  # noqa: E402
+from sglang_unicache.engine.radix_cache import spans_of  # noqa: E402
 from tests.unit.test_radix_cache import cache, make_span  # noqa: E402, F401
 
 

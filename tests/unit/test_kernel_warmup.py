@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_unicache.kernels import warm_up
+from sglang_unicache.policy.kernels import warm_up
 
 
 def test_no_kernel_runs_on_the_cpu() -> None:

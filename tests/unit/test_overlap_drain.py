@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_unicache.integration import hooks
+from sglang_unicache.engine import hooks
 
 
 class FakeScheduler:

@@ -6,7 +6,7 @@ import pytest
 
 from sglang_unicache.platform import cpu
 
-CLASS = "sglang_unicache.platform.cpu_platform.UniCacheCpuPlatform"
+CLASS = "sglang_unicache.platform.cpu.platform.UniCacheCpuPlatform"
 
 
 @pytest.fixture

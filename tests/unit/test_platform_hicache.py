@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_unicache.platform import hicache
+from sglang_unicache.platform.cpu import hicache
 
 
 def test_transfer_kv_direct_copies_every_layer_at_the_given_indices():
@@ -58,7 +58,7 @@ def test_quantized_host_copy_round_trips_within_half_a_step(bits):
     """To a quantized host row and back: every value within half a quantization step of its
     (slot, head) scale (the scale's own bfloat16 rounding and the result's included), the row
     ``host_row_bytes`` wide."""
-    from sglang_unicache.quantize import QMAX, host_row_bytes
+    from sglang_unicache.policy.quantize import QMAX, host_row_bytes
 
     torch.manual_seed(1)
     device = [torch.randn(12, 2, 32, dtype=torch.bfloat16) * 3 for _ in range(2)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_unicache.platform import vision
+from sglang_unicache.platform.cpu import vision
 
 sglang_vision = pytest.importorskip("sglang.srt.layers.attention.vision")
 HEADS, DIM = 2, 8
@@ -84,7 +84,7 @@ def test_install_routes_the_class_forward_once():
 
 
 def test_the_platform_installs_it_in_each_worker(monkeypatch):
-    from sglang_unicache.platform import cpu_platform
+    from sglang_unicache.platform.cpu import platform as cpu_platform
 
     calls = []
     monkeypatch.setattr(cpu_platform.hicache, "install", lambda: None)

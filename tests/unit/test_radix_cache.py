@@ -22,9 +22,9 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType  # noqa: E402
 
-from sglang_unicache.config import UniCacheConfig  # noqa: E402
-from sglang_unicache.integration import radix_cache  # noqa: E402
-from sglang_unicache.integration.spans import SpanMeta  # noqa: E402
+from sglang_unicache.engine import radix_cache  # noqa: E402
+from sglang_unicache.engine.spans import SpanMeta  # noqa: E402
+from sglang_unicache.policy.config import UniCacheConfig  # noqa: E402
 
 LAYERS, HEADS, DIM, POOL = 2, 2, 4, 64
 PAD, START, LENGTH, K = 1_000_123, 3, 32, 8  # a 32-token image at position 3 kept as 8 entries
@@ -238,7 +238,7 @@ def test_a_demoted_span_keeps_its_metadata_and_dies_with_its_host_copy(cache):
     """HiCache's moves, through the tree core: a demotion (the host copy kept) frees the span's
     device slots but keeps its metadata and index entry; the host tier evicting the node then
     drops both. ``held`` and ``host.spans`` follow, and the integrity check agrees."""
-    from sglang_unicache.integration.integrity import _check_spans
+    from sglang_unicache.engine.integrity import _check_spans
 
     meta, _ = make_span(cache)
     key = RadixKey(array("q", PREFIX + list(meta.ids) + TAIL))

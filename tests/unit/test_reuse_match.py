@@ -12,9 +12,9 @@ import torch
 
 pytest.importorskip("sglang")
 
-from sglang_unicache.config import UniCacheConfig  # noqa: E402
-from sglang_unicache.integration.controller import Controller  # noqa: E402
-from sglang_unicache.integration.spans import SpanIndex, SpanMeta  # noqa: E402
+from sglang_unicache.engine.controller import Controller  # noqa: E402
+from sglang_unicache.engine.spans import SpanIndex, SpanMeta  # noqa: E402
+from sglang_unicache.policy.config import UniCacheConfig  # noqa: E402
 from tests.unit.test_compaction import LENGTH, PAD, START, N, setup  # noqa: E402
 from tests.unit.test_radix_cache import cache  # noqa: E402, F401
 

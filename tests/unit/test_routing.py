@@ -3,7 +3,7 @@ hot image cannot pile every request onto one replica."""
 
 from __future__ import annotations
 
-from sglang_unicache.integration.routing import ImageAffinity
+from sglang_unicache.engine.scale.routing import ImageAffinity
 
 
 def test_every_question_about_an_image_goes_where_the_image_went() -> None:

@@ -9,11 +9,11 @@ import textwrap
 
 import torch
 
-from sglang_unicache.kernels.scatter import scatter_rows_reference, write_compressed
+from sglang_unicache.policy.kernels.scatter import scatter_rows_reference, write_compressed
 
 SCRIPT = textwrap.dedent("""
     import torch
-    from sglang_unicache.kernels.scatter import scatter_rows_reference, scatter_rows_triton
+    from sglang_unicache.policy.kernels.scatter import scatter_rows_reference, scatter_rows_triton
     g = torch.Generator().manual_seed(0)
     for slots_total, k, h, d, dst_dtype in [(37, 5, 3, 7, torch.float32),
                                             (64, 16, 2, 16, torch.bfloat16),

@@ -1,6 +1,7 @@
-"""The test/benchmark server harness on a busy machine (issue 18): a port taken between picking
-and binding is retried on another, a server that dies is noticed at once, and the start timeout
-comes from ``UNICACHE_SERVER_START_TIMEOUT``. A stand-in HTTP server plays SGLang."""
+"""The test/benchmark server harness on a busy machine: a port taken between picking and binding
+is retried on another, a server that dies is noticed at once, a start that hangs is tried once
+more, and the start timeout comes from ``UNICACHE_SERVER_START_TIMEOUT``. A stand-in HTTP server
+plays SGLang."""
 
 from __future__ import annotations
 
@@ -59,3 +60,30 @@ def test_the_start_timeout_comes_from_the_environment(monkeypatch, tmp_path):
         harness.launch(lambda port: [sys.executable, "-c", "import time; time.sleep(60)"],
                        tmp_path / "s.log")
     assert time.monotonic() - start < 20
+
+
+def test_a_start_that_hangs_is_tried_once_more_with_its_log(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("UNICACHE_SERVER_START_TIMEOUT", "3")
+    starts = []
+
+    def hangs_first(port: int) -> list[str]:
+        starts.append(port)
+        if len(starts) == 1:
+            return [sys.executable, "-c", "print('stuck loading', flush=True); "
+                    "import time; time.sleep(60)"]
+        return health_server(port)
+
+    server = harness.launch(hangs_first, tmp_path / "s.log")
+    try:
+        assert len(starts) == 2
+        assert requests.get(f"{server.url}/health", timeout=5).status_code == 200
+        assert "stuck loading" in capsys.readouterr().err
+    finally:
+        server.stop()
+
+
+def test_a_start_that_hangs_twice_raises_with_the_log_tail(monkeypatch, tmp_path):
+    monkeypatch.setenv("UNICACHE_SERVER_START_TIMEOUT", "2")
+    with pytest.raises(TimeoutError, match="(?s)not ready after 2s.*stuck loading"):
+        harness.launch(lambda port: [sys.executable, "-c", "print('stuck loading', flush=True); "
+                                     "import time; time.sleep(60)"], tmp_path / "s.log")

@@ -4,8 +4,8 @@ only ever be matched whole, never split inside)."""
 
 from __future__ import annotations
 
-from sglang_unicache.config import UniCacheConfig
-from sglang_unicache.integration.spans import SpanNaming
+from sglang_unicache.engine.spans import SpanNaming
+from sglang_unicache.policy.config import UniCacheConfig
 
 
 def naming(**overrides) -> SpanNaming:

@@ -1,4 +1,4 @@
-"""``integration/tensor_parallel.py`` over a real gloo group of two processes: the sums the plans
+"""``engine/scale/tensor_parallel.py`` over a real gloo group of two processes: the sums the plans
 read are the same on both ranks, and the agreement check tells equal fingerprints from unequal
 ones."""
 
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_unicache.integration.tensor_parallel import PeerFailed, TensorParallel
+from sglang_unicache.engine.scale.tensor_parallel import PeerFailed, TensorParallel
 
 
 def _rank(rank: int, init: str, out) -> None:

@@ -14,8 +14,8 @@ import os
 RANK = os.environ.get("UNICACHE_TEST_FAIL_RANK")
 
 if RANK is not None:
-    from sglang_unicache.compressor import Method
-    from sglang_unicache.ranks import ONE_RANK
+    from sglang_unicache.policy.compressor import Method
+    from sglang_unicache.policy.ranks import ONE_RANK
 
     _plan = Method.plan
     _left = [1]

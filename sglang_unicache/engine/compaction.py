@@ -1,0 +1,141 @@
+"""Every write of compressed entries into pool slots: a request's spans after prefill
+(``write_spans``, undone by ``restore_spans``) and a cached span's entries when it is re-compressed
+(``move_entries``). The allocator's free list is the only other owner of a slot.
+
+Region map of one request's ``req_to_token`` row before and after (one span ``[s, e)``, N = e - s
+tokens kept as K entries, L prompt tokens; D = N - K):
+
+    before  | 0 .. s  text | s .. e   image (N slots) | e .. L  text |
+    after   | 0 .. s  text | s .. s+K compressed      | s+K .. L-D   |
+                             (the span's first K slots, rewritten)
+    freed   the span's last N - K slots, returned to the allocator
+
+Every compressible span lies past the request's tree-owned prefix (``cache_protected_len``), so
+all slots touched here belong to the request alone. The K/V each write overwrites is copied first
+(``backup_spans``), so a failure restores it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sglang_unicache.policy.inputs import LayerView
+from sglang_unicache.policy.kernels.scatter import as_bytes, write_compressed
+
+
+@dataclass
+class SpanResult:
+    """One compressed span: where it sits and what fills its K slots per layer."""
+
+    start: int
+    end: int
+    keys: list[torch.Tensor]  # per layer [K, H, D]
+    values: list[torch.Tensor]
+
+    @property
+    def count(self) -> int:
+        """K: entries kept (one slot each)."""
+        return self.keys[0].shape[0]
+
+
+@dataclass
+class Compaction:
+    """The new row of a request and the slots it gave back."""
+
+    row: torch.Tensor  # [L - D] int32 new row prefix
+    freed: torch.Tensor  # [D] int64 slots returned to the allocator
+
+    @property
+    def removed(self) -> int:
+        return self.freed.numel()
+
+
+def unwritable_pool(kv_pool) -> str | None:
+    """Why the pool's buffers cannot take compaction's writes, or None. A quantized pool (or any
+    whose ``get_key_buffer`` builds a new tensor, e.g. dequantized) hands out copies: the writes
+    would land in the copy and be lost, silently. Two reads of one layer must share storage."""
+    if getattr(kv_pool, "is_quantized_kv_cache", False):
+        return f"{type(kv_pool).__name__} is a quantized KV cache"
+    layer = kv_pool.start_layer
+    for read in (kv_pool.get_key_buffer, kv_pool.get_value_buffer):
+        first, second = read(layer), read(layer)
+        if first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr():
+            return f"{type(kv_pool).__name__} returns a copy of its buffers"
+    return None
+
+
+def pool_buffers(kv_pool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer K and V buffers of this rank's layers (``[slots, H, D]`` each)."""
+    layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)
+    return ([kv_pool.get_key_buffer(i) for i in layers],
+            [kv_pool.get_value_buffer(i) for i in layers])
+
+
+def move_entries(k_buffers, v_buffers, slots: torch.Tensor, keep: torch.Tensor) -> None:
+    """Within a span's ``slots`` (K), move entries ``keep`` (``[L, H, K']``, per layer and head)
+    to the first K' slots (re-compression, ``radix_cache.py``). Stored values move as they are
+    (bytes, for a float8 pool): nothing is re-quantized."""
+    index = slots.to(torch.int64)
+    head = index[:keep.shape[-1]]
+    for layer, (kb, vb) in enumerate(zip(k_buffers, v_buffers, strict=True)):
+        pick = keep[layer].to(kb.device).t().unsqueeze(-1)  # [K', H, 1]
+        for buf in (as_bytes(kb), as_bytes(vb)):
+            entries = buf.index_select(0, index)  # [K, H, D]
+            buf[head] = entries.gather(0, pick.expand(-1, -1, entries.shape[-1]))
+
+
+def prompt_kv(k_buffers, v_buffers, row: torch.Tensor) -> tuple[LayerView, LayerView]:
+    """The prompt's K and V per layer (``[L, H, D]``, token-major as in the pool), gathered from
+    the pool when a layer is read: the policy reads one layer at a time, so a long prompt's K/V
+    is never copied for every layer at once.
+
+    A float8 pool is read dequantized to bfloat16 (exact: every float8 value is a bfloat16 value),
+    so the policy scores what attention sees and an evicted span is written back bit-exact; only
+    merged entries are rounded to the pool's dtype again. SGLang's per-layer ``k_scale`` /
+    ``v_scale`` (1.0 unless the checkpoint carries them) are not applied: a scalar per layer."""
+    index = row.to(torch.int64)
+
+    def view(buffers) -> LayerView:
+        first = buffers[0]
+        dtype = torch.bfloat16 if first.element_size() == 1 else first.dtype
+        return LayerView(len(buffers), (index.numel(), *first.shape[1:]),
+                         lambda layer: buffers[layer].index_select(0, index).to(dtype),
+                         dtype, first.device)
+
+    return view(k_buffers), view(v_buffers)
+
+
+def plan_compaction(row: torch.Tensor, spans: list[SpanResult]) -> Compaction:
+    """The row after compaction and the slots it gives back (reads nothing, writes nothing)."""
+    keep = torch.ones(row.shape[0], dtype=torch.bool, device=row.device)
+    for span in spans:
+        keep[span.start + span.count:span.end] = False
+    return Compaction(row=row[keep], freed=row[~keep].to(torch.int64))
+
+
+def backup_spans(row: torch.Tensor, spans: list[SpanResult], k_buffers, v_buffers):
+    """Per span, per layer copies of the K/V ``write_spans`` will overwrite (its first K slots)."""
+    backup = []
+    for span in spans:
+        slots = row[span.start:span.start + span.count].to(torch.int64)
+        backup.append(([k.index_select(0, slots) for k in k_buffers],
+                       [v.index_select(0, slots) for v in v_buffers]))
+    return backup
+
+
+def write_spans(row: torch.Tensor, spans: list[SpanResult], k_buffers, v_buffers) -> None:
+    """Write every span's compressed K/V into its first K slots of ``row`` (the row before
+    compaction)."""
+    for span in spans:
+        slots = row[span.start:span.start + span.count].to(torch.int64)
+        write_compressed(k_buffers, v_buffers, slots, span.keys, span.values)
+
+
+def restore_spans(row: torch.Tensor, spans: list[SpanResult], backup, k_buffers,
+                  v_buffers) -> None:
+    """Undo ``write_spans`` from ``backup_spans``."""
+    for span, (keys, values) in zip(spans, backup, strict=True):
+        slots = row[span.start:span.start + span.count].to(torch.int64)
+        write_compressed(k_buffers, v_buffers, slots, keys, values)

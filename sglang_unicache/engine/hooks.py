@@ -1,0 +1,394 @@
+"""The hook functions the plugin installs on SGLang, each declaring its own target.
+
+``@hook(target, kind)`` records (target, function, ``HookType`` name) in ``HOOKS``;
+``plugin.register`` checks that every target resolves and registers them all. The process's state
+(the scheduler's controller, the scheduler, the capture of the forward in flight) lives in one
+object, ``STATE``, set by the scheduler hook: in every other process it stays empty and every hook
+passes through.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sglang_unicache.engine import flags, positions, radix_cache
+from sglang_unicache.engine.capture import QueryCapture
+from sglang_unicache.engine.compaction import unwritable_pool
+from sglang_unicache.engine.controller import Controller
+from sglang_unicache.engine.integrity import check_integrity
+from sglang_unicache.engine.metrics import Metrics
+from sglang_unicache.engine.scale import routing
+from sglang_unicache.engine.scale.tensor_parallel import TensorParallel
+from sglang_unicache.engine.support import (
+    local_hf_config,
+    unsupported_host_quantization,
+    unsupported_setup,
+)
+from sglang_unicache.policy.kernels import warm_up
+
+logger = logging.getLogger("sglang_unicache")
+
+
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+_SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch"
+_MEM_CACHE = "sglang.srt.mem_cache.common"
+
+HOOKS: list[tuple[str, Callable, str]] = []
+
+
+def hook(target: str, kind: str) -> Callable[[Callable], Callable]:
+    """Declare ``fn`` as the ``kind`` (AFTER, AROUND) hook of SGLang's dotted ``target``."""
+
+    def declare(fn: Callable) -> Callable:
+        HOOKS.append((target, fn, kind))
+        return fn
+
+    return declare
+
+
+def targets() -> tuple[str, ...]:
+    """Every dotted target the plugin hooks or patches; each must resolve (``compat.py``)."""
+    return (*(target for target, _, _ in HOOKS),
+            "sglang.srt.entrypoints.engine.Engine.server_args_class")
+
+
+@dataclass
+class PluginState:
+    """What the plugin holds in this process. Only a scheduler process with ``--unicache`` has a
+    controller; ``capture`` is set only while an extend batch with targets runs."""
+
+    controller: Controller | None = None
+    scheduler: Any = None
+    capture: QueryCapture | None = None
+    # Overlap scheduler: results of extend batches with compression targets, not yet processed,
+    # and results processed ahead of the loop (``around_get_next_batch_to_run``), oldest first.
+    compressing: list = field(default_factory=list)
+    processed_early: list = field(default_factory=list)
+
+
+STATE = PluginState()
+
+
+class UniCacheStartupError(SystemExit):
+    """One-line startup failure; a SystemExit so the launcher prints it without a traceback."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"error: {message}")
+
+
+CHECK_INTEGRITY = "SGLANG_UNICACHE_CHECK_INTEGRITY"  # "1": /server_info runs check_integrity
+MM_PREPROCESS_CACHE_MB = 256  # --unicache's default for SGLang's image preprocessing cache
+
+
+def _prepare_config(server_args: Any, config: Any) -> Any:
+    if config is not None:
+        reason = unsupported_setup(server_args, local_hf_config(server_args.model_path)) or \
+            unsupported_host_quantization(server_args, config)
+        if reason:
+            raise flags.UniCacheFlagError(reason)
+        backend = server_args.radix_cache_backend
+        if backend not in (None, radix_cache.BACKEND):
+            raise flags.UniCacheFlagError(
+                f"--unicache brings its own radix cache; drop --radix-cache-backend {backend}")
+        server_args.radix_cache_backend = radix_cache.BACKEND
+        if server_args.mm_preprocess_cache_size_mb is None:
+            # A reused image skips the encoder and its prefill; with SGLang's preprocessing cache
+            # it skips the image processor too (--mm-preprocess-cache-size-mb 0 turns it off).
+            server_args.mm_preprocess_cache_size_mb = MM_PREPROCESS_CACHE_MB
+    return config
+
+
+@hook("sglang.srt.server_args.ServerArgs.add_cli_args", "AFTER")
+def after_add_cli_args(result: Any, parser: Any) -> Any:
+    flags.add_cli_args(parser)
+    return result
+
+
+@hook("sglang.srt.server_args.ServerArgs.from_cli_args", "AROUND")
+def around_from_cli_args(original: Any, cls: Any, args: Any) -> Any:
+    server_args = original(cls, args)
+    try:
+        config = _prepare_config(server_args, flags.config_from_namespace(args))
+    except flags.UniCacheFlagError as exc:
+        raise UniCacheStartupError(str(exc)) from None
+    flags.attach(server_args, config)
+    if config is not None:
+        logger.info("sglang-unicache: enabled (method=%s, keep_ratio=%s)",
+                    config.method, config.keep_ratio)
+    return server_args
+
+
+def make_engine_server_args(**kwargs: Any) -> Any:
+    """``Engine.server_args_class``: ServerArgs plus the ``unicache*`` keyword arguments."""
+    from sglang.srt.server_args import ServerArgs
+
+    config = flags.pop_engine_kwargs(kwargs)
+    server_args = ServerArgs(**kwargs)
+    flags.attach(server_args, _prepare_config(server_args, config))
+    return server_args
+
+
+@hook(f"{_SCHEDULER}.__init__", "AFTER")
+def after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    config = flags.config_of(scheduler.server_args)
+    if config is None:
+        return result
+    hf_config = scheduler.model_config.hf_config.to_dict()
+    reason = unsupported_setup(scheduler.server_args, hf_config)
+    if reason:
+        raise flags.UniCacheFlagError(reason)
+    allocator = scheduler.token_to_kv_pool_allocator
+    reason = unwritable_pool(allocator.get_kvcache())
+    if reason:
+        raise flags.UniCacheFlagError(
+            f"{reason}: --unicache writes compressed entries into the pool in place (use "
+            "--kv-cache-dtype auto, bf16, fp8_e4m3 or fp8_e5m2)")
+    tree = scheduler.tree_cache
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    # One writer of /metrics per model replica: the gauges sum over data-parallel ranks.
+    exports = scheduler.server_args.enable_metrics and parallel.tp_rank == 0
+    controller = Controller(
+        config, scheduler.req_to_token_pool.req_to_token, allocator.get_kvcache(), allocator,
+        metrics=Metrics() if exports else None,
+        tree=tree if isinstance(tree, radix_cache.CompressedRadixCache) else None,
+        mrope=bool(scheduler.model_config.model_is_mrope),
+        dp_rank=parallel.dp_rank or 0, tp=TensorParallel.of(scheduler))
+    STATE.controller, STATE.scheduler = controller, scheduler
+    _warm_kernels(scheduler)
+    logger.info("sglang-unicache: scheduler received config method=%s keep_ratio=%s "
+                "min_image_tokens=%s", config.method, config.keep_ratio, config.min_image_tokens)
+    return result
+
+
+def _warm_kernels(scheduler: Any) -> None:
+    """The Triton kernels compile now, not inside the first request that compresses."""
+    pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
+    model = scheduler.model_config
+    group = model.num_attention_heads // model.num_key_value_heads
+    dtype = torch.bfloat16 if pool.dtype.itemsize == 1 else pool.dtype  # as prompt_kv reads it
+    warmed = warm_up(pool.device, pool.head_num, pool.head_num * group, pool.head_dim, dtype)
+    if warmed:
+        logger.info("sglang-unicache: kernels compiled at startup: %s", ", ".join(warmed))
+
+
+def _compress(req: Any) -> None:
+    controller = STATE.controller
+    freed = controller.stats.slots_freed
+    controller.on_checkpoint(req)
+    if controller.stats.slots_freed > freed:
+        # The scheduler marks its running batch full when a waiting request did not fit and
+        # clears the mark only when a request leaves; slots freed by compaction count too.
+        STATE.scheduler.running_batch.batch_is_full = False
+    controller.publish()
+
+
+@hook(f"{_SCHEDULER}.run_batch", "AROUND")
+def around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    controller = STATE.controller
+    if controller is None or not batch.forward_mode.is_extend():
+        return original(scheduler, batch, *args, **kwargs)
+    STATE.capture = controller.begin_forward(batch)
+    start = time.perf_counter()
+    try:
+        result = original(scheduler, batch, *args, **kwargs)
+        if STATE.capture is not None:
+            STATE.compressing.append(result)
+        return result
+    finally:
+        if STATE.capture is not None:
+            controller.stats.prefill_seconds += time.perf_counter() - start
+        STATE.capture = None
+
+
+def _holds(results: list, result: Any) -> bool:
+    """Whether ``result`` is in ``results`` (by identity: results do not compare by value)."""
+    return any(r is result for r in results)
+
+
+def _take(results: list, result: Any) -> bool:
+    """Remove ``result`` from ``results`` (by identity); whether it was there."""
+    for i, r in enumerate(results):
+        if r is result:
+            del results[i]
+            return True
+    return False
+
+
+@hook(f"{_SCHEDULER}.get_next_batch_to_run", "AROUND")
+def around_get_next_batch_to_run(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """Overlap scheduler: a prefill with requests to compress has its result processed (and the
+    requests compacted) before the next batch is built, as the non-overlap loop does. The next
+    decode then allocates each request's slot at its compacted length. Only the iterations after
+    such a prefill lose the overlap; every other one keeps it."""
+    if STATE.controller is not None and STATE.compressing:
+        queue = getattr(scheduler, "result_queue", None) or ()
+        waiting = [entry for entry in queue if not _holds(STATE.processed_early, entry[1])]
+        last = max((i for i, (_, result) in enumerate(waiting)
+                    if _holds(STATE.compressing, result)), default=-1)
+        for batch, result in waiting[:last + 1]:  # in order: results are processed in order
+            scheduler.process_batch_result(batch, result)
+            STATE.processed_early.append(result)
+            # The loop still pops this entry (and skips it). Until then SGLang reads the queued
+            # batch's requests as ones whose next token is not yet committed, and skips the
+            # decode of those it would finish by length; these have committed theirs.
+            batch.reqs = []
+    return original(scheduler, *args, **kwargs)
+
+
+@hook(f"{_SCHEDULER}.process_batch_result", "AROUND")
+def around_process_batch_result(original: Any, scheduler: Any, batch: Any, result: Any,
+                                *args: Any, **kwargs: Any) -> Any:
+    """A result ``around_get_next_batch_to_run`` processed early is not processed again when the
+    overlap loop pops it."""
+    if _take(STATE.processed_early, result):
+        return None
+    _take(STATE.compressing, result)
+    return original(scheduler, batch, result, *args, **kwargs)
+
+
+@hook("sglang.srt.layers.attention.base_attn_backend.AttentionBackend.forward", "AROUND")
+def around_attention_forward(original, backend, q, k, v, layer, forward_batch, *args, **kwargs):
+    """Every layer's post-RoPE queries of the extend tokens, for any attention backend
+    (``capture.py``)."""
+    if STATE.capture is not None and forward_batch.forward_mode.is_extend():
+        STATE.capture.record(layer.layer_id, q, layer.head_dim)
+    return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
+
+
+@hook(f"{_MEM_CACHE}.checkpoint_kv_cache", "AROUND")
+def around_checkpoint_kv_cache(original: Any, req: Any, tree_cache: Any, *args: Any,
+                               **kwargs: Any) -> Any:
+    if STATE.controller is not None:
+        if STATE.controller.defer_chunk_checkpoint(req):
+            # What checkpoint_kv_cache does besides the tree insert: the next chunk resumes here.
+            req.prefix_len = req.extend_end
+            return None
+        _compress(req)
+    return original(req, tree_cache, *args, **kwargs)
+
+
+@hook(f"{_MEM_CACHE}.release_kv_cache", "AROUND")
+def around_release_kv_cache(original: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """A request that finished with its prefill (e.g. max_tokens=1) is compressed before its KV
+    enters the tree, like one that goes on decoding."""
+    if STATE.controller is not None:
+        _compress(req)
+    return original(req, *args, **kwargs)
+
+
+@hook(f"{_SCHEDULE_BATCH}.Req.init_next_round_input", "AROUND")
+def around_init_next_round_input(original: Any, req: Any, tree_cache: Any = None,
+                                 *args: Any, **kwargs: Any) -> Any:
+    if STATE.controller is None or tree_cache is None:
+        return original(req, tree_cache, *args, **kwargs)
+    STATE.controller.match_with_reuse(lambda: original(req, tree_cache, *args, **kwargs), req)
+    STATE.controller.publish()
+    return None
+
+
+@hook(f"{_SCHEDULE_BATCH}.Req.reset_for_retract", "AFTER")
+def after_reset_for_retract(result: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    if STATE.controller is not None:
+        STATE.controller.on_retract(req)
+    return result
+
+
+@hook("sglang.srt.managers.scheduler_components.output_streamer._GenerationStreamAccumulator."
+      "accept", "AROUND")
+def around_stream_accept(original: Any, accumulator: Any, *args: Any, req: Any,
+                         **kwargs: Any) -> Any:
+    """Usage reports the prompt as the user sent it, not the compacted row: prompt tokens with
+    the entries compression removed, cached tokens with those of the compressed spans reused."""
+    before = len(accumulator.prompt_tokens)
+    result = original(accumulator, *args, req=req, **kwargs)
+    if len(accumulator.prompt_tokens) > before:
+        accumulator.prompt_tokens[-1] += getattr(req, "unicache_removed", 0)
+        accumulator.cached_tokens[-1] += getattr(req, "unicache_reused", 0)
+    return result
+
+
+@hook("sglang.srt.managers.scheduler_components.internal_state."
+      "SchedulerInternalStateController.get_internal_state", "AFTER")
+def after_get_internal_state(result: Any, state_controller: Any, *args: Any, **kwargs: Any) -> Any:
+    """``/server_info`` shows the allocator's free slots (also without --unicache) and our stats;
+    with ``SGLANG_UNICACHE_CHECK_INTEGRITY=1`` also ``check_integrity``'s findings (it reads the
+    whole pool on the scheduler thread, so it is off unless asked for: tests and benchmarks)."""
+    allocator = state_controller.scheduler.token_to_kv_pool_allocator
+    result.internal_state["kv_available_slots"] = int(allocator.available_size())
+    if STATE.controller is not None:
+        state = STATE.controller.snapshot()
+        if os.environ.get(CHECK_INTEGRITY) == "1":
+            state["integrity"] = check_integrity(state_controller.scheduler) \
+                + STATE.controller.rank_errors()
+        result.internal_state["unicache"] = state
+    return result
+
+
+@hook("sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.get_internal_state",
+      "AROUND")
+async def around_tokenizer_internal_state(original: Any, manager: Any) -> Any:
+    """``/server_info``: each entry also shows SGLang's image preprocessing cache (it lives in
+    the tokenizer manager): whether it is on, its hits and misses."""
+    states = await original(manager)
+    cache = getattr(getattr(manager, "mm_processor", None), "mm_preprocess_cache", None)
+    if cache is not None:
+        info = {"enabled": cache.enabled, "hits": cache.hits, "misses": cache.misses,
+                "entries": len(cache)}
+        for state in states:
+            state["mm_preprocess_cache"] = info
+    return states
+
+
+@hook("sglang.srt.managers.data_parallel_controller.DataParallelController."
+      "maybe_external_dp_rank_routing", "AROUND")
+def around_dp_routing(original: Any, dp_controller: Any, req: Any) -> Any:
+    """With ``--unicache --dp-size N``: a request with an image goes to the replica holding that
+    image (``routing.py``); SGLang then routes it as if the client had named the rank."""
+    config = flags.config_of(dp_controller.server_args)
+    if config is None or not config.dp_routing:
+        return original(dp_controller, req)
+    affinity = getattr(dp_controller, "unicache_affinity", None)
+    if affinity is None:
+        affinity = dp_controller.unicache_affinity = routing.ImageAffinity(
+            len(dp_controller.workers))
+    key = routing.image_key(req) if req.routed_dp_rank is None else None
+    if key is not None:
+        req.routed_dp_rank = affinity.pick(key, list(dp_controller._active_workers))
+    return original(dp_controller, req)
+
+
+@hook("sglang.srt.managers.data_parallel_controller.DataParallelController.event_loop", "AROUND")
+def around_dp_event_loop(original: Any, dp_controller: Any) -> Any:
+    """With ``--sleep-on-idle`` (the CPU platform's default): the data-parallel controller blocks
+    on its socket, as SGLang's detokenizer does, instead of polling it without a pause (an idle
+    ``--dp-size 2`` server took a whole core of a 2-core host)."""
+    from sglang.srt.managers.io_struct import sock_recv
+    from sglang.srt.runtime_context import get_device
+
+    if not get_device().sleep_on_idle:  # the scheduler reads it there too
+        return original(dp_controller)
+
+    while True:
+        with dp_controller.soft_watchdog.disable():
+            req = sock_recv(dp_controller.recv_from_tokenizer)
+        dp_controller._request_dispatcher(req)
+        dp_controller.soft_watchdog.feed()
+
+
+@hook("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", "AFTER")
+def after_forward_batch_init(result: Any, *args: Any, **kwargs: Any) -> Any:
+    """``ForwardBatch.init_new``: 1-D RoPE models get each request's position offset."""
+    controller = STATE.controller
+    if controller is not None and controller.active and not controller.mrope:
+        batch = kwargs.get("batch") or next(a for a in args if hasattr(a, "reqs"))
+        positions.shift_positions(result, batch.reqs)
+    return result

@@ -1,0 +1,253 @@
+"""Self-check of a plan (UniCache seed 000 §7.1): does attention still see the same thing?
+
+Seed: compare the attention of the last layers before and after compression; past a threshold
+the compression went too far and the caller keeps the full KV. The seed's statistic is the KL
+divergence of the attention distributions with a threshold of 0.1.
+
+Every statistic below is computed over the observation queries of the last ``selfcheck_layers``
+layers, on the full keys P and on the keys as compression leaves them Q (text and uncompressed
+tokens as they are, each span replaced by its compressed entries), reduced to one number per layer
+(a mean over queries and query heads unless said otherwise) and then to the maximum over layers:
+
+- ``kl``: ``KL(Q~ || P)``, the seed's statistic. Q is spread back onto source tokens (entry j's
+  probability split among its members by their merge weights, evicted tokens get 0), so it is
+  finite; for pure eviction it equals ``-log(kept attention mass)`` (0.1: ~9.5% of the mass lost).
+- ``kl_head``: the largest per-KV-head mean KL (the spread of loss across heads).
+- ``image_mass_lost``: the share of each query's attention *on the image* that falls on tokens
+  that are not kept entries (the attention mass kept per layer, normalised to the image).
+- ``output_error``: ``||o_Q - o_P|| / ||o_P||``, the relative change of the attention output
+  (what the next layer reads), which discounts lost mass whose values the kept entries repeat.
+- ``key_coverage``: question-independent: ``1 - max cos(k, kept k)`` averaged over the span's
+  tokens and heads: how far the kept keys are from the keys they replace, whatever the question.
+
+One statistic needs no query and looks at the first layer instead (ours, not in the seed):
+
+- ``content_lost``: how much of the image the plan drops, whatever the question: the relative
+  error of the first layer's values (the image as the vision encoder hands it to the language
+  model) when every kept entry is exact and every other token is replaced by the span's
+  background, its median value ``m``: ``sum(||v_i - m|| over dropped tokens) / sum(||v_i||)`` per
+  KV head, averaged over heads (merged members count as dropped). It is low when what stands out
+  of the background is kept (objects on a plain background, or a plain image) and high when the
+  image's information is spread over all of it (a dense grid), where a plan that follows one
+  question cannot serve the next.
+
+The verdict needs both: the deciding statistic at most ``selfcheck_threshold`` *and*
+``content_lost`` at most ``selfcheck_content_threshold``. The first guards the question that
+compressed the image, the second the later questions a shared span will be asked: on the grid
+task (the second trained model) no question-following statistic saw the harm
+(docs/selfcheck.md).
+
+Means are taken per KV head first, then over the heads of every tensor-parallel rank
+(``policy/ranks.py``), so every rank reaches the same verdict.
+
+The query statistic that decides, and its threshold, are ``selfcheck_statistic`` /
+``selfcheck_threshold`` (defaults from the measurement in docs/selfcheck.md: which statistic
+predicts that a compressed, reused image answers later questions differently). The seed's KL
+predicted best (ROC AUC 0.885) and stays the statistic. Departure from the seed: its threshold of
+0.1 rejects every image at a 10x keep ratio on the models we measured; the default is 0.9 (the
+best separation of harmed from unharmed images). A failed check escalates the budget
+(``compressor.Method.plan``).
+
+Only observation queries that see each compressed span either fully or not at all are used (a
+query inside a span would see a partial span); with none left (or no queries at all) only
+``content_lost`` decides. Memory: ``[H, G, W, N]`` per span and ``[H, G, W, chunk]`` for the
+rest, never ``[T, T]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sglang_unicache.policy.config import SELFCHECK_STATISTICS
+from sglang_unicache.policy.executor import execute_layer
+from sglang_unicache.policy.kernels.reference import _logits, window_attend
+from sglang_unicache.policy.plans import CompressionPlan, SelfCheckResult
+
+Tensor = torch.Tensor
+
+CONTENT_LAYER = 0  # content_lost reads the first layer: the image as the vision encoder gave it
+
+
+def _reference(ctx, layer: int, spans: tuple) -> dict | None:
+    """Everything of one layer's check that does not depend on the plan, computed once per
+    ``Method.plan`` (an escalation re-plans at a larger K and reuses it): the valid observation
+    queries, the full and the rest-of-request attention over them, each span's original logits
+    and unit keys. None when no observation query is valid."""
+
+    def compute() -> dict | None:
+        inp = ctx.inputs
+        pos = ctx.obs_positions
+        valid = torch.ones_like(pos, dtype=torch.bool)
+        for start, end in spans:
+            valid &= (pos >= end - 1) | (pos < start)
+        if not bool(valid.any()):
+            return None
+        q, pos = inp.obs_queries[layer][valid], pos[valid]
+        keys, values = inp.keys[layer], inp.values[layer]
+        compressed = torch.zeros(inp.num_tokens, dtype=torch.bool, device=keys.device)
+        for start, end in spans:
+            compressed[start:end] = True
+        out_p, lse_p = window_attend(q, keys, values, inp.scale, pos, None, ctx.stats_chunk)
+        out_rest, lse_rest = window_attend(q, keys, values, inp.scale, pos, ~compressed,
+                                           ctx.stats_chunk)
+        per_span = []
+        for start, end in spans:
+            sees = (pos >= end - 1).view(1, 1, -1, 1)
+            l_orig = _logits(q, keys[start:end], inp.scale).masked_fill(~sees, float("-inf"))
+            unit = torch.nn.functional.normalize(ctx.keys(layer)[start:end].float(), dim=-1)
+            per_span.append((sees, l_orig, unit.transpose(0, 1)))  # unit: [H, N, D]
+        return {"q": q, "out_p": out_p, "lse_p": lse_p, "out_rest": out_rest,
+                "lse_rest": lse_rest, "spans": per_span}
+
+    return ctx.cached(f"selfcheck reference {spans}", layer, compute)
+
+
+def layer_stats(ctx, layer: int, plans: list[CompressionPlan]) -> Tensor | None:
+    """One layer's statistics, in the order of config's ``SELFCHECK_QUERY_STATISTICS``, or None
+    (no valid observation query)."""
+    inp = ctx.inputs
+    plans = [p for p in plans if not p.skipped]
+    if not plans:
+        return None
+    ref = _reference(ctx, layer, tuple((p.span.start, p.span.end) for p in plans))
+    if ref is None:
+        return None
+    q, lse_p, lse_rest = ref["q"], ref["lse_p"], ref["lse_rest"]
+    parts, coverage = [], []
+    for p, (sees, l_orig, unit) in zip(plans, ref["spans"], strict=True):
+        sl = slice(p.span.start, p.span.end)
+        lp = p.layers[layer]
+        k_c, v_c = execute_layer(lp, ctx.keys(layer)[sl], ctx.values(layer)[sl])
+        l_comp = _logits(q, k_c, inp.scale).masked_fill(~sees, float("-inf"))
+        parts.append((lp, l_orig, l_comp, v_c))
+        kept = torch.gather(unit, 1, lp.kept.long().unsqueeze(-1).expand(-1, -1, unit.shape[-1]))
+        coverage.append(1.0 - torch.bmm(unit, kept.transpose(1, 2)).amax(-1).mean(-1))  # [H]
+    lse_q = lse_rest
+    for _, _, l_comp, _ in parts:
+        lse_q = torch.logaddexp(lse_q, torch.logsumexp(l_comp, dim=-1))
+    safe_q = torch.where(torch.isfinite(lse_q), lse_q, torch.zeros_like(lse_q))
+    out_q = ref["out_rest"] * torch.exp(lse_rest - safe_q).nan_to_num(0.0).unsqueeze(-1)
+    kl = torch.exp(lse_rest - lse_q).nan_to_num(0.0) * (lse_p - lse_q)
+    image_p = torch.zeros_like(lse_p)
+    image_kept = torch.zeros_like(lse_p)
+    for lp, l_orig, l_comp, v_c in parts:
+        log_qc = l_comp - safe_q.unsqueeze(-1)  # [H, G, W, K]
+        h, g, w, _ = log_qc.shape
+        vh = v_c.float().transpose(0, 1)  # [H, K, D]
+        out_q = out_q + torch.einsum("hgwk,hkd->hgwd", torch.exp(log_qc), vh)
+        idx = lp.assign.long().clamp_min(0).view(h, 1, 1, -1).expand(h, g, w, -1)
+        log_q_member = torch.gather(log_qc, 3, idx)  # [H, G, W, N]
+        wt = lp.weight.float().view(h, 1, 1, -1)
+        member = (lp.assign >= 0).view(h, 1, 1, -1)
+        log_qt = log_q_member + torch.log(wt.clamp_min(1e-30))
+        log_p = l_orig - lse_p.unsqueeze(-1)
+        term = torch.exp(log_qt) * (log_qt - log_p)
+        kl = kl + torch.where(member & torch.isfinite(term), term, torch.zeros_like(term)).sum(-1)
+        p_span = torch.exp(log_p)
+        image_p = image_p + p_span.sum(-1)
+        kept = lp.kept.long().view(h, 1, 1, -1).expand(h, g, w, -1)
+        image_kept = image_kept + torch.gather(p_span, 3, kept).sum(-1)
+    out_p = ref["out_p"]
+    error = (out_q - out_p).norm(dim=-1) / out_p.norm(dim=-1).clamp_min(1e-12)
+    lost = torch.where(image_p > 0, 1.0 - image_kept / image_p.clamp_min(1e-30), 0.0)
+    # Per KV head, then over every rank's heads (``ranks.py``): the verdict is the same on each.
+    per_head = torch.stack([kl.mean(dim=(1, 2)), lost.mean(dim=(1, 2)), error.mean(dim=(1, 2)),
+                            *coverage], dim=1)  # [H, 3 + spans]
+    means = ctx.shards.mean(per_head)
+    kl_head = ctx.shards.max(per_head[:, 0].max())
+    return torch.stack([means[0], kl_head, means[1], means[2], means[3:].max()])
+
+
+def _content(ctx, start: int, end: int) -> tuple[Tensor, Tensor]:
+    """(``[H, N]`` each span token's distance from the background in the content layer, ``[H]``
+    the span's total value norm), once per ``Method.plan``: an escalation changes only what is
+    kept."""
+
+    def compute() -> tuple[Tensor, Tensor]:
+        v = ctx.values(CONTENT_LAYER)[start:end].float().transpose(0, 1)  # [H, N, D]
+        content = (v - v.median(dim=1, keepdim=True).values).norm(dim=-1)  # [H, N]
+        return content, v.norm(dim=-1).sum(-1).clamp_min(1e-30)
+
+    return ctx.cached(f"content {start}", CONTENT_LAYER, compute)
+
+
+def _lost(ctx, content: Tensor, total: Tensor, kept_content: Tensor) -> Tensor:
+    lost = ((content.sum(-1) - kept_content) / total).clamp_max(1.0)  # [H]
+    return ctx.shards.mean(lost.unsqueeze(-1))[0]
+
+
+def content_lost(ctx, plans: list[CompressionPlan]) -> Tensor | None:
+    """``content_lost`` (module docstring) of the worst span, a 0-d tensor; None with no plan."""
+    plans = [p for p in plans if not p.skipped]
+    if not plans:
+        return None
+    worst = []
+    for p in plans:
+        content, total = _content(ctx, p.span.start, p.span.end)
+        kept = content.gather(1, p.layers[CONTENT_LAYER].kept.long()).sum(-1)
+        worst.append(_lost(ctx, content, total, kept))
+    return torch.stack(worst).amax()
+
+
+def content_floor(ctx, span_counts: list[tuple]) -> Tensor | None:
+    """The least ``content_lost`` of any plan that keeps ``k`` entries of each ``(span, k)`` in
+    the content layer: every head keeping its ``k`` tokens farthest from the background. A 0-d
+    tensor; None with no span."""
+    worst = []
+    for span, k in span_counts:
+        content, total = _content(ctx, span.start, span.end)
+        best = content.topk(min(k, content.shape[1]), dim=1).values.sum(-1)
+        worst.append(_lost(ctx, content, total, best))
+    return torch.stack(worst).amax() if worst else None
+
+
+# content_floor and content_lost add the same numbers in different orders: a floor this little
+# above the threshold is not evidence that the plan would fail.
+FLOOR_MARGIN = 1e-5
+
+
+@dataclass(frozen=True)
+class SelfCheck:
+    """The §7.1 check, built from the config's ``selfcheck_*`` fields: ``statistic`` (one of
+    ``SELFCHECK_STATISTICS``, default "kl"), ``threshold`` (fails above it, default 0.9),
+    ``layers`` (the last layers checked, default 2) and ``content_threshold`` (``content_lost``
+    fails above it, default 0.15; 1 turns that half of the check off)."""
+
+    statistic: str = "kl"
+    threshold: float = 0.9
+    layers: int = 2
+    content_threshold: float = 0.15
+
+    def unchecked(self, layers: tuple[int, ...] = ()) -> SelfCheckResult:
+        """The passing result of a check that saw nothing (identity plan, no valid query)."""
+        return SelfCheckResult(self.statistic, 0.0, self.threshold, layers, False, True)
+
+    def content_hopeless(self, ctx, span_counts: list[tuple]) -> bool:
+        """True when no plan keeping these counts (``content_floor``) can pass the
+        ``content_lost`` half of the check: the caller may skip planning it."""
+        floor = content_floor(ctx, span_counts)
+        return floor is not None and float(floor) > self.content_threshold + FLOOR_MARGIN
+
+    def __call__(self, ctx, plans: list[CompressionPlan]) -> SelfCheckResult:
+        """Run the check over the last ``layers`` layers."""
+        n = ctx.num_layers
+        layers = tuple(range(max(0, n - self.layers), n))
+        content = content_lost(ctx, plans)
+        if content is None:
+            return self.unchecked(layers)
+        per_layer = []
+        if ctx.has_queries:
+            per_layer = [v for v in (layer_stats(ctx, li, plans) for li in layers) if v is not None]
+        if per_layer:
+            worst = torch.cat([torch.stack(per_layer).amax(dim=0), content.view(1)])
+            stats = dict(zip(SELFCHECK_STATISTICS, worst.tolist(), strict=True))  # one host sync
+            value = stats[self.statistic]
+            passed = value <= self.threshold
+        else:  # no query sees the spans: only the question-free half decides
+            stats = {"content_lost": float(content)}
+            value, passed = stats.get(self.statistic, 0.0), True
+        passed = passed and stats["content_lost"] <= self.content_threshold
+        return SelfCheckResult(self.statistic, value, self.threshold, layers, True, passed, stats,
+                               self.content_threshold)

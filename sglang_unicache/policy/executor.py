@@ -1,0 +1,72 @@
+"""The executor: turn a ``CompressionPlan`` into compressed K/V (seed §6.2, §6.3, §3).
+
+Per layer: head merging (if the plan recorded it), then per head gather of the kept tokens and
+weighted merge of folded tokens (same weights for K and V, norm restored; ``merge_gather``), then
+optional per-head int8/int4 quantization. Inputs are never modified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sglang_unicache.policy.heads import apply_head_merge
+from sglang_unicache.policy.kernels.reference import gather_heads, merge_gather
+from sglang_unicache.policy.plans import CompressedKV, CompressionPlan, LayerPlan
+from sglang_unicache.policy.quantize import bits_of, dequantize, quantize
+
+Tensor = torch.Tensor
+
+
+def span_slice(plan: CompressionPlan, x: Tensor, span_local: bool | None) -> Tensor:
+    """The span's rows of ``x``: ``x`` is either the whole request ``[T, H, D]`` or already the span
+    ``[N, H, D]`` (``span_local=None`` decides by length)."""
+    n = plan.span.length
+    if span_local is None:
+        span_local = x.shape[0] == n
+    return x if span_local else x[plan.span.start : plan.span.end]
+
+
+def execute_layer(lp: LayerPlan, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Compressed ``([K_l, H, D], [K_l, H, D])`` of one layer from the span's ``[N, H, D]`` K/V."""
+    if lp.head_map is not None:
+        k = apply_head_merge(k, lp.head_map, lp.head_weight)
+        v = apply_head_merge(v, lp.head_map, lp.head_weight)
+    if lp.num_kept == k.shape[0]:  # every token kept (kept is sorted and unique): identity
+        return k.clone(), v.clone()
+    if not lp.merges:  # eviction only: a per-head gather
+        return gather_heads(k, lp.kept), gather_heads(v, lp.kept)
+    k_out = merge_gather(k, lp.kept, lp.assign, lp.weight)
+    return k_out, merge_gather(v, lp.kept, lp.assign, lp.weight)
+
+
+def execute(
+    plan: CompressionPlan,
+    keys: Sequence[Tensor] | Tensor,
+    values: Sequence[Tensor] | Tensor,
+    quantization: str | None = None,
+    span_local: bool | None = None,
+) -> CompressedKV:
+    """Compressed K/V of one span, per layer ``[K_l, H, D]`` in the input dtype.
+
+    keys/values: per layer ``[T, H, D]`` of the request or ``[N, H, D]`` of the span (or stacked).
+    quantization: "off" | "int8" | "int4", default the plan's. When on, the returned dense tensors
+    are the dequantized values (what attention will see) and the payload is attached.
+    """
+    mode = plan.quantization if quantization is None else quantization
+    ks, vs, qk, qv = [], [], [], []
+    for li, lp in enumerate(plan.layers):
+        k, v = execute_layer(
+            lp, span_slice(plan, keys[li], span_local), span_slice(plan, values[li], span_local)
+        )
+        if mode != "off":
+            bits = bits_of(mode)
+            qk.append(quantize(k, bits))
+            qv.append(quantize(v, bits))
+            k, v = dequantize(qk[-1], k.dtype), dequantize(qv[-1], v.dtype)
+        ks.append(k)
+        vs.append(v)
+    if mode == "off":
+        return CompressedKV(ks, vs)
+    return CompressedKV(ks, vs, qk, qv)
