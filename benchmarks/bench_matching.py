@@ -32,6 +32,8 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
 from sglang_unicache.engine import radix_cache
 from sglang_unicache.engine.controller import Controller
+from sglang_unicache.engine.kvpool import Slots
+from sglang_unicache.engine.request import state_of
 from sglang_unicache.engine.spans import SpanMeta
 from sglang_unicache.policy.config import UniCacheConfig
 
@@ -46,7 +48,7 @@ def build(spans: int):
     tree = radix_cache.CompressedRadixCache(CacheInitParams(
         disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator, page_size=1,
         tree_components=(ComponentType.FULL,), tree_core_backend=radix_cache.BACKEND))
-    tree.enable_spans(radix_cache.SpanSettings.of(UniCacheConfig()))
+    tree.enable_spans(radix_cache.SpanSettings.of(UniCacheConfig()), Slots(allocator))
     for i in range(spans):
         ids = tree.settings.naming.ids(1_000_000 + i, TEXT, K)
         key = RadixKey(array("q", [11 + i % 7] * TEXT + list(ids) + [21 + i] * TEXT))
@@ -84,7 +86,7 @@ def round_cost(tree, waiting: int, decide_every_round: bool) -> float:
     def one_round() -> None:
         for req in reqs:
             if decide_every_round:
-                req.unicache_matched = None  # what every round did before
+                state_of(req).matched = None  # what every round did before
 
             def match(req=req) -> None:
                 key = RadixKey(array("q", req.origin_input_ids))

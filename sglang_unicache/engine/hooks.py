@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from sglang_unicache.engine import flags, positions, radix_cache
+from sglang_unicache.engine import flags, positions, radix_cache, request
 from sglang_unicache.engine.capture import QueryCapture
-from sglang_unicache.engine.compaction import unwritable_pool
 from sglang_unicache.engine.controller import Controller
 from sglang_unicache.engine.integrity import check_integrity
+from sglang_unicache.engine.kvpool import unwritable_pool
 from sglang_unicache.engine.metrics import Metrics
 from sglang_unicache.engine.scale import routing
 from sglang_unicache.engine.scale.tensor_parallel import TensorParallel
@@ -31,6 +31,7 @@ from sglang_unicache.engine.support import (
     unsupported_host_quantization,
     unsupported_setup,
 )
+from sglang_unicache.platform.cpu import dp_idle
 from sglang_unicache.policy.kernels import warm_up
 
 logger = logging.getLogger("sglang_unicache")
@@ -55,7 +56,7 @@ def hook(target: str, kind: str) -> Callable[[Callable], Callable]:
 
 def targets() -> tuple[str, ...]:
     """Every dotted target the plugin hooks or patches; each must resolve (``compat.py``)."""
-    return (*(target for target, _, _ in HOOKS),
+    return (*(target for target, _, _ in HOOKS), dp_idle.TARGET,
             "sglang.srt.entrypoints.engine.Engine.server_args_class")
 
 
@@ -161,7 +162,8 @@ def after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any)
         metrics=Metrics() if exports else None,
         tree=tree if isinstance(tree, radix_cache.CompressedRadixCache) else None,
         mrope=bool(scheduler.model_config.model_is_mrope),
-        dp_rank=parallel.dp_rank or 0, tp=TensorParallel.of(scheduler))
+        dp_rank=parallel.dp_rank or 0, tp=TensorParallel.of(scheduler),
+        on_slots_freed=lambda: _room_made(scheduler))
     STATE.controller, STATE.scheduler = controller, scheduler
     _warm_kernels(scheduler)
     logger.info("sglang-unicache: scheduler received config method=%s keep_ratio=%s "
@@ -180,15 +182,15 @@ def _warm_kernels(scheduler: Any) -> None:
         logger.info("sglang-unicache: kernels compiled at startup: %s", ", ".join(warmed))
 
 
+def _room_made(scheduler: Any) -> None:
+    """The scheduler marks its running batch full when a waiting request did not fit and
+    clears the mark only when a request leaves; slots the plugin frees make room too."""
+    scheduler.running_batch.batch_is_full = False
+
+
 def _compress(req: Any) -> None:
-    controller = STATE.controller
-    freed = controller.stats.slots_freed
-    controller.on_checkpoint(req)
-    if controller.stats.slots_freed > freed:
-        # The scheduler marks its running batch full when a waiting request did not fit and
-        # clears the mark only when a request leaves; slots freed by compaction count too.
-        STATE.scheduler.running_batch.batch_is_full = False
-    controller.publish()
+    STATE.controller.on_checkpoint(req)
+    STATE.controller.publish()
 
 
 @hook(f"{_SCHEDULER}.run_batch", "AROUND")
@@ -311,8 +313,10 @@ def around_stream_accept(original: Any, accumulator: Any, *args: Any, req: Any,
     before = len(accumulator.prompt_tokens)
     result = original(accumulator, *args, req=req, **kwargs)
     if len(accumulator.prompt_tokens) > before:
-        accumulator.prompt_tokens[-1] += getattr(req, "unicache_removed", 0)
-        accumulator.cached_tokens[-1] += getattr(req, "unicache_reused", 0)
+        state = getattr(req, request.ATTRIBUTE, None)
+        if state is not None:
+            accumulator.prompt_tokens[-1] += state.removed
+            accumulator.cached_tokens[-1] += state.reused
     return result
 
 
@@ -364,24 +368,6 @@ def around_dp_routing(original: Any, dp_controller: Any, req: Any) -> Any:
     if key is not None:
         req.routed_dp_rank = affinity.pick(key, list(dp_controller._active_workers))
     return original(dp_controller, req)
-
-
-@hook("sglang.srt.managers.data_parallel_controller.DataParallelController.event_loop", "AROUND")
-def around_dp_event_loop(original: Any, dp_controller: Any) -> Any:
-    """With ``--sleep-on-idle`` (the CPU platform's default): the data-parallel controller blocks
-    on its socket, as SGLang's detokenizer does, instead of polling it without a pause (an idle
-    ``--dp-size 2`` server took a whole core of a 2-core host)."""
-    from sglang.srt.managers.io_struct import sock_recv
-    from sglang.srt.runtime_context import get_device
-
-    if not get_device().sleep_on_idle:  # the scheduler reads it there too
-        return original(dp_controller)
-
-    while True:
-        with dp_controller.soft_watchdog.disable():
-            req = sock_recv(dp_controller.recv_from_tokenizer)
-        dp_controller._request_dispatcher(req)
-        dp_controller.soft_watchdog.feed()
 
 
 @hook("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", "AFTER")

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_unicache.engine.request import removed_of
+
 
 @dataclass
 class MropeBackup:
@@ -49,11 +51,11 @@ def shift_positions(forward_batch, reqs) -> None:
     """1-D RoPE models: add each request's removed-token count to its positions.
 
     SGLang derives 1-D positions from row lengths (extend: ``prefix_len + arange``, decode:
-    ``seq_len - 1``). A request whose row holds compressed spans is ``req.unicache_removed``
+    ``seq_len - 1``). A request whose row holds compressed spans is ``request.removed_of(req)``
     tokens shorter than its prompt, so every token it computes after them is that much further
     along; the spans' own entries keep the positions baked into their (post-RoPE) keys.
     """
-    offsets = [getattr(req, "unicache_removed", 0) for req in reqs]
+    offsets = [removed_of(req) for req in reqs]
     if not any(offsets) or forward_batch.positions is None:
         return
     positions = forward_batch.positions

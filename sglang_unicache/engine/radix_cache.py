@@ -7,7 +7,7 @@ automatically with ``--unicache``. It differs from the default cache in three wa
   metadata (``spans.SpanMeta``) in the Full component's node metadata, and which refuses to split
   a node inside a compressed span (the split would hand a later request part of a selection).
 - It owns every cached span's metadata: after a request's KV enters the tree, the spans the
-  request compressed itself (``req.unicache_fresh``) are attached to the node holding them and
+  request compressed itself (``RequestState.fresh``) are attached to the node holding them and
   indexed by image (``spans``) for later requests; an entry dies with its node.
 - Under memory pressure, a leaf that ends in a compressed span is re-compressed before it is
   evicted: each layer and head keeps its highest-priority entries (protected ones first,
@@ -54,9 +54,10 @@ from sglang.srt.mem_cache.unified_cache.tree_core_registry import (
 from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-from sglang_unicache.engine.compaction import move_entries, pool_buffers
 from sglang_unicache.engine.flags import config_of
 from sglang_unicache.engine.host_pool import quantize_host_copies
+from sglang_unicache.engine.kvpool import Slots, move_entries, pool_buffers
+from sglang_unicache.engine.request import state_of
 from sglang_unicache.engine.spans import SpanIndex, SpanMeta, SpanNaming
 from sglang_unicache.policy.quantize import bits_of
 from sglang_unicache.policy.shrink import shrink_order, shrunk_count
@@ -192,13 +193,17 @@ class HostTier:
 
 class CompressedRadixCache(UnifiedRadixCache):
     settings: SpanSettings | None = None  # None until ``enable_spans``: a plain radix cache
+    slots: Slots
     spans: SpanIndex
     held = 0  # slots the attached compressed spans hold (kept as they change: read per round)
     recompressed: Recompressed
     host: HostTier
 
-    def enable_spans(self, settings: SpanSettings) -> None:
+    def enable_spans(self, settings: SpanSettings, slots: Slots) -> None:
+        """Compressed spans from now on: ids and re-compression by ``settings``, the slots a
+        re-compression drops freed through ``slots`` (the plugin's one free path)."""
         self.settings = settings
+        self.slots = slots
         self.spans = SpanIndex()
         self.recompressed = Recompressed()
         self.host = HostTier()
@@ -273,7 +278,7 @@ class CompressedRadixCache(UnifiedRadixCache):
         """The request's KV is in the tree: index the spans it compressed itself and attach their
         metadata to the node holding each (unless the tree already held the same span, from a
         request that compressed the same image first: that one's metadata stays)."""
-        metas, req.unicache_fresh = getattr(req, "unicache_fresh", None), None
+        metas = state_of(req).take_fresh()
         if not metas:
             return
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
@@ -393,7 +398,7 @@ class CompressedRadixCache(UnifiedRadixCache):
         node.hash_value = None
         self.tree_core.component_evictable_size_[FULL] -= freed.numel()
         self.held -= old_count - k_new
-        self.token_to_kv_pool_allocator.free(freed)
+        self.slots.free(freed)
         self.recompressed.spans += 1
         self.recompressed.slots_freed += freed.numel()
         logger.debug("sglang-unicache: re-compressed span %d -> %d entries under pressure",

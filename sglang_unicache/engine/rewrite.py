@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_unicache.engine.positions import MropeBackup, restore_mrope, shift_mrope
+from sglang_unicache.engine.request import state_of
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class Rewrite:
     origin_input_ids: array
     offsets: list
     mrope: MropeBackup | None
-    removed_before: int = 0  # ``req.unicache_removed`` before this rewrite (rewrites stack)
+    removed_before: int = 0  # the request's ``removed`` before this rewrite (rewrites stack)
 
     @property
     def removed(self) -> int:
@@ -55,7 +56,7 @@ def _new_position(position: int, spans: tuple[SpanRewrite, ...]) -> int:
 
 def _remap_offsets(offsets, spans: tuple[SpanRewrite, ...]):
     """An item's inclusive runs after the rewrite: a compressed span becomes one run of its K
-    ids (runs it joined, see ``controller.merge_runs``, fold into it); other runs shift."""
+    ids (runs it joined, see ``request.merge_runs``, fold into it); other runs shift."""
     out = []
     for start, end in offsets:
         span = next((s for s in spans if s.start <= start < s.end), None)
@@ -84,14 +85,15 @@ def rewrite(req, spans: list[SpanRewrite]) -> Rewrite:
         req.get_mm_token_counts()  # usage counts the images as sent: count before the offsets move
     offsets = [list(item.offsets or []) for item in mm.mm_items]
     new_offsets = [_remap_offsets(o, spans) if o else o for o in offsets]  # before any change
+    state = state_of(req)
     record = Rewrite(spans, ids, offsets, shift_mrope(mm, keep, int((~keep).sum())),
-                     getattr(req, "unicache_removed", 0))
+                     state.removed)
     for item, remapped in zip(mm.mm_items, new_offsets, strict=True):
         if item.offsets:
             item.offsets = remapped
     req.origin_input_ids = array("q", pieces)
     req.full_untruncated_fill_ids = req.origin_input_ids + array("q", req.output_ids)
-    req.unicache_removed = record.removed_before + record.removed  # the prompt's real length
+    state.removed = record.removed_before + record.removed  # the prompt's real length
     return record
 
 
@@ -103,7 +105,7 @@ def restore(req, record: Rewrite) -> None:
     restore_mrope(mm, record.mrope)
     req.origin_input_ids = record.origin_input_ids
     req.full_untruncated_fill_ids = req.origin_input_ids + array("q", req.output_ids)
-    req.unicache_removed = record.removed_before
+    state_of(req).removed = record.removed_before
 
 
 def original_position(position: int, records: list[Rewrite]) -> int:

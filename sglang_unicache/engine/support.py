@@ -121,9 +121,9 @@ def unsupported_host_quantization(args: Any, config: Any) -> str | None:
     if not getattr(args, "enable_hierarchical_cache", False):
         return f"host_quantization {mode}: needs --enable-hierarchical-cache (it quantizes " \
                "HiCache's host copies)"
-    from sglang_unicache.platform.cpu.hicache import platform_active
+    from sglang_unicache.platform.cpu import is_current
 
-    if not platform_active():
+    if not is_current():
         return f"host_quantization {mode}: only the unicache_cpu platform's HiCache copies " \
                "quantize (on a GPU they are sgl-kernel ops)"
     dtype = getattr(args, "kv_cache_dtype", "auto")

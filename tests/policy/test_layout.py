@@ -28,7 +28,7 @@ PACKAGE = ROOT / "sglang_unicache"
 # whether it may import SGLang. Every module lives in one of them.
 LAYERS = {
     "policy": (set(), False),  # pure torch
-    "engine": ({"policy"}, True),  # the only SGLang importer besides the platform
+    "engine": ({"policy", "platform"}, True),  # the plugin: with the platform, the SGLang importers
     "adapters": ({"policy"}, False),  # the methods on a plain transformers model
     "client": (set(), False),  # the router client: nothing of torch or SGLang
     "platform": ({"policy"}, True),  # the out-of-tree CPU platform (its host copies quantize)

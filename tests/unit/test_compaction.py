@@ -1,6 +1,6 @@
 """Compaction on a real SGLang pool, driven through ``Controller.on_checkpoint``: it either
-happens whole (row shorter, N - K slots back, ids and lengths rewritten) or not at all (issue 14,
-defect 5: an error after the first write left a half-compacted request)."""
+happens whole (row shorter, N - K slots back, ids and lengths rewritten) or not at all (an error
+after the first write must not leave a half-compacted request)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,11 @@ pytest.importorskip("sglang")
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 
-from sglang_unicache.engine import controller as controller_module  # noqa: E402
+from sglang_unicache.engine import compress as compress_module  # noqa: E402
 from sglang_unicache.engine.capture import CaptureTarget, QueryCapture  # noqa: E402
-from sglang_unicache.engine.controller import Controller, Pending  # noqa: E402
+from sglang_unicache.engine.controller import Controller  # noqa: E402
+from sglang_unicache.engine.request import state_of  # noqa: E402
+from sglang_unicache.engine.targets import Pending  # noqa: E402
 from sglang_unicache.policy.config import UniCacheConfig  # noqa: E402
 
 LAYERS, HEADS, DIM, POOL = 2, 2, 8, 128
@@ -33,7 +35,7 @@ class BrokenLens:
 
 
 def setup(seq_lens, layers: int = LAYERS, config: UniCacheConfig | None = None, tree=None,
-          dtype: torch.dtype = torch.float32):
+          dtype: torch.dtype = torch.float32, **controller_args):
     pool = MHATokenToKVPool(POOL, 1, dtype, HEADS, DIM, layers, "cpu", False)
     allocator = TokenToKVPoolAllocator(POOL, dtype, "cpu", pool, need_sort=False)
     for layer in range(layers):
@@ -41,7 +43,7 @@ def setup(seq_lens, layers: int = LAYERS, config: UniCacheConfig | None = None, 
             buf[:] = torch.randn(buf.shape).to(dtype)
     req_to_token = torch.zeros(2, POOL, dtype=torch.int32)
     config = config or UniCacheConfig(method="knorm", keep_ratio=0.25, selfcheck=False)
-    controller = Controller(config, req_to_token, pool, allocator, tree=tree)
+    controller = Controller(config, req_to_token, pool, allocator, tree=tree, **controller_args)
     slots = allocator.alloc(LENGTH)
     req_to_token[1, :LENGTH] = slots.to(torch.int32)
     ids = array("q", [5] * START + [PAD] * N + [7] * (LENGTH - START - N))
@@ -57,12 +59,13 @@ def setup(seq_lens, layers: int = LAYERS, config: UniCacheConfig | None = None, 
         kv=SimpleNamespace(req_pool_idx=1, kv_committed_len=LENGTH, kv_allocated_len=LENGTH,
                            cache_protected_len=0, holds_kv=False))
     target = CaptureTarget("r", 0, range(LENGTH - 4, LENGTH), range(LENGTH - 4, LENGTH))
-    controller.capture = QueryCapture.for_targets([target], device="cpu")
+    controller.targets.capture = QueryCapture.for_targets([target], device="cpu")
     for layer in range(layers):
-        controller.capture.record(layer, torch.randn(LENGTH, HEADS * DIM), DIM)
+        controller.targets.capture.record(layer, torch.randn(LENGTH, HEADS * DIM), DIM)
     batch = SimpleNamespace(seq_lens=seq_lens, seq_lens_cpu=None, orig_seq_lens=None,
                             seq_lens_sum=None)
-    controller.pending = {"r": Pending(batch, target, controller.new_image_spans(req))}
+    spans = controller.targets.new_image_spans(req)
+    controller.targets.pending = {"r": Pending(batch, target, spans)}
     return controller, req, pool, allocator, batch
 
 
@@ -79,6 +82,21 @@ def test_compaction_frees_n_minus_k_and_rewrites_the_request():
     assert controller.stats.images_compressed == 1 and controller.stats.errors == 0
 
 
+def test_compaction_frees_through_the_plugins_one_free_path():
+    """N - K slots go back through ``Slots``: the scheduler's batch-is-full mark is cleared once,
+    after the allocator has them; a request that keeps its full KV clears nothing."""
+    controller, req, _, allocator, _ = setup(torch.tensor([LENGTH]))
+    seen = []
+    controller.slots.on_free = lambda: seen.append(allocator.available_size())
+    free = allocator.available_size()
+    controller.on_checkpoint(req)
+    assert seen == [free + N - round(0.25 * N)]
+    broken, req, _, _, _ = setup(BrokenLens())
+    broken.slots.on_free = lambda: seen.append("freed")
+    broken.on_checkpoint(req)
+    assert broken.stats.errors == 1 and seen == [free + N - round(0.25 * N)]
+
+
 def test_a_failure_after_the_first_write_leaves_nothing_changed():
     controller, req, pool, allocator, _ = setup(BrokenLens())
     row = controller.req_to_token[1].clone()
@@ -93,7 +111,7 @@ def test_a_failure_after_the_first_write_leaves_nothing_changed():
     assert allocator.available_size() == free
     assert req.origin_input_ids == ids and req.extend_end == LENGTH
     assert req.multimodal_inputs.mm_items[0].offsets == [(START, START + N - 1)]
-    assert req.unicache_rewrites == [] and getattr(req, "unicache_removed", 0) == 0
+    assert state_of(req).rewrites == [] and state_of(req).removed == 0
 
 
 def test_the_prompt_kv_is_read_one_layer_at_a_time(monkeypatch):
@@ -104,7 +122,7 @@ def test_the_prompt_kv_is_read_one_layer_at_a_time(monkeypatch):
                                 config=UniCacheConfig(keep_ratio=0.25, selfcheck_threshold=99.0,
                                                       selfcheck_content_threshold=1.0))
     alive, peak, reads = weakref.WeakSet(), [0], [0]
-    gather = controller_module.prompt_kv
+    gather = compress_module.prompt_kv
 
     def tracked(k_buffers, v_buffers, row):
         views = gather(k_buffers, v_buffers, row)
@@ -118,7 +136,7 @@ def test_the_prompt_kv_is_read_one_layer_at_a_time(monkeypatch):
             view._get = get
         return views
 
-    monkeypatch.setattr(controller_module, "prompt_kv", tracked)
+    monkeypatch.setattr(compress_module, "prompt_kv", tracked)
     controller.on_checkpoint(req)
     assert controller.stats.images_compressed == 1 and controller.stats.errors == 0
     assert reads[0] >= 16, "every layer's K and V was read"
@@ -140,7 +158,7 @@ def test_a_quantized_or_half_pool_is_compressed_in_its_dtype(dtype):
     free = allocator.available_size()
     controller.on_checkpoint(req)
     assert controller.stats.errors == 0
-    assert controller.stats.images_compressed == 1, controller.recent_checks
+    assert controller.stats.images_compressed == 1, controller.outcomes.recent_checks
     kept = N - (LENGTH - req.extend_end)
     assert allocator.available_size() == free + N - kept
     new_row = controller.req_to_token[1, :req.extend_end].to(torch.int64)
@@ -156,7 +174,7 @@ def test_a_quantized_or_half_pool_is_compressed_in_its_dtype(dtype):
 
 
 def test_re_compression_moves_float8_entries_as_stored():
-    from sglang_unicache.engine.compaction import move_entries
+    from sglang_unicache.engine.kvpool import move_entries
 
     keys = [torch.randn(16, 2, 4).to(torch.float8_e5m2) for _ in range(2)]
     values = [torch.randn(16, 2, 4).to(torch.float8_e5m2) for _ in range(2)]
@@ -188,7 +206,7 @@ class CopyingPool:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_only_a_pool_whose_buffers_take_writes_is_accepted(dtype):
-    from sglang_unicache.engine.compaction import unwritable_pool
+    from sglang_unicache.engine.kvpool import unwritable_pool
 
     pool = MHATokenToKVPool(POOL, 1, dtype, HEADS, DIM, LAYERS, "cpu", False)
     assert unwritable_pool(pool) is None  # float8 is stored as uint8 and read as a view
@@ -206,12 +224,12 @@ def test_an_item_in_two_runs_is_served_on_its_full_kv():
     one token apart (Pixtral's row breaks) are one span and stay compressible."""
     controller, req, *_ = setup(torch.tensor([LENGTH]))
     item = req.multimodal_inputs.mm_items[0]
-    assert controller.image_spans(req) == [(START, START + N, PAD)]
+    assert controller.targets.image_spans(req) == [(START, START + N, PAD)]
     item.offsets = [(START, START + 15), (START + 17, START + N - 1)]  # a row break between
-    assert controller.image_spans(req) == [(START, START + N, PAD)]
+    assert controller.targets.image_spans(req) == [(START, START + N, PAD)]
     item.offsets = [(START, START + 12), (START + 20, START + N - 1)]  # text between the runs
-    assert controller.image_spans(req) == [] and controller.multi_run_noted
-    assert controller.new_image_spans(req) == []
+    assert controller.targets.image_spans(req) == [] and controller.targets.multi_run_noted
+    assert controller.targets.new_image_spans(req) == []
 
 
 def test_a_prefill_the_query_hook_missed_keeps_its_full_kv():
@@ -219,7 +237,7 @@ def test_a_prefill_the_query_hook_missed_keeps_its_full_kv():
     left no observation queries for them: the request is not compressed on partial
     statistics, and the miss is counted."""
     controller, req, pool, allocator, _ = setup(torch.tensor([LENGTH]))
-    del controller.capture.queries[LAYERS - 1]
+    del controller.targets.capture.queries[LAYERS - 1]
     free, row = allocator.available_size(), controller.req_to_token[1].clone()
     controller.on_checkpoint(req)
     assert controller.stats.capture_missed == 1 and controller.stats.images_compressed == 0
@@ -250,8 +268,7 @@ class PeerFailsToApply:
 
 
 def test_a_compression_another_rank_failed_to_apply_is_undone():
-    controller, req, pool, allocator, batch = setup(torch.tensor([LENGTH]))
-    controller.tp = PeerFailsToApply()
+    controller, req, pool, allocator, batch = setup(torch.tensor([LENGTH]), tp=PeerFailsToApply())
     row = controller.req_to_token[1].clone()
     k_before = [k.clone() for k in pool.k_buffer]
     ids, free = array("q", req.origin_input_ids), allocator.available_size()
@@ -263,7 +280,7 @@ def test_a_compression_another_rank_failed_to_apply_is_undone():
     assert allocator.available_size() == free  # nothing freed
     assert req.origin_input_ids == ids and req.extend_end == LENGTH
     assert int(batch.seq_lens[0]) == LENGTH and req.kv.kv_allocated_len == LENGTH
-    assert req.unicache_rewrites == [] and getattr(req, "unicache_fresh", None) is None
+    assert state_of(req).rewrites == [] and state_of(req).fresh is None
 
 
 @pytest.mark.parametrize("method, per_request", [("snapkv", True), ("knorm", False)])
@@ -277,12 +294,12 @@ def test_a_query_dependent_span_is_keyed_by_its_request(method, per_request):
     for rid in ("a", "b"):
         controller, req, *_ = setup(torch.tensor([LENGTH]), config=config)
         req.rid = rid
-        controller.pending[rid] = controller.pending.pop("r")
-        controller.pending[rid].target.rid = rid
-        controller.capture.starts[rid] = controller.capture.starts.pop("r")
+        controller.targets.pending[rid] = controller.targets.pending.pop("r")
+        controller.targets.pending[rid].target.rid = rid
+        controller.targets.capture.starts[rid] = controller.targets.capture.starts.pop("r")
         controller.on_checkpoint(req)
         assert controller.stats.images_compressed == 1
-        ((_, meta),) = req.unicache_fresh
+        ((_, meta),) = state_of(req).fresh
         assert list(req.origin_input_ids[START:START + meta.count]) == list(meta.ids)
         ids.append(meta.ids)
     assert (ids[0] != ids[1]) == per_request

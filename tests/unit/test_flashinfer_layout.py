@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent("""
     import torch
     from sglang.kernels.ops.attention.kv_indices import create_flashinfer_kv_indices_triton
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-    from sglang_unicache.engine.compaction import SpanResult, plan_compaction, write_spans
+    from sglang_unicache.engine.kvpool import SpanResult, plan_compaction, write_spans
 
     g = torch.Generator().manual_seed(0)
     slots, kv_heads, q_heads, dim = 400, 2, 4, 16

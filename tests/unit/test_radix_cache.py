@@ -23,6 +23,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType  # noqa: E402
 
 from sglang_unicache.engine import radix_cache  # noqa: E402
+from sglang_unicache.engine.kvpool import Slots  # noqa: E402
 from sglang_unicache.engine.spans import SpanMeta  # noqa: E402
 from sglang_unicache.policy.config import UniCacheConfig  # noqa: E402
 
@@ -45,7 +46,7 @@ def cache():
     config = UniCacheConfig(method="knorm", keep_ratio=0.25, recompress_factor=0.5,
                             recompress_floor=0.02)
     tree.req_to_token_pool = SimpleNamespace(req_to_token=torch.zeros(2, POOL, dtype=torch.int32))
-    tree.enable_spans(radix_cache.SpanSettings.of(config))
+    tree.enable_spans(radix_cache.SpanSettings.of(config), Slots(allocator))
     return tree
 
 
@@ -148,6 +149,17 @@ def test_pressure_recompresses_a_cached_span_before_evicting_it(cache):
     cache.evict(EvictParams(num_tokens=POOL))
     assert allocator.available_size() == baseline  # nothing leaked
     cache.sanity_check()
+
+
+def test_recompression_frees_through_the_plugins_one_free_path(cache):
+    """The slots a re-compression drops go back through ``Slots`` (which clears the scheduler's
+    batch-is-full mark), not straight to the allocator."""
+    freed = []
+    cache.slots.on_free = lambda: freed.append(cache.token_to_kv_pool_allocator.available_size())
+    before = cache.token_to_kv_pool_allocator.available_size()
+    make_span(cache)
+    cache.evict(EvictParams(num_tokens=1))
+    assert freed and freed[-1] > before - len(PREFIX) - K - len(TAIL)
 
 
 def test_alignment_protected_entries_are_shrunk_last_not_a_floor(cache):

@@ -16,7 +16,7 @@ On a CPU the default KV pool would take most of the RAM, so the platform caps
 ``max_total_tokens`` (``SGLANG_UNICACHE_CPU_MAX_TOTAL_TOKENS``, default 32768) unless the user
 passes ``--max-total-tokens``, and turns on ``sleep_on_idle`` (an idle scheduler would otherwise
 spin a core at 100%; so would the data-parallel controller, which the plugin's
-``around_dp_event_loop`` makes block on its socket when that flag is on).
+``dp_idle.py`` makes block on its socket when that flag is on).
 
 Each worker's vision tower attends one image at a time (``vision.py``: SGLang's CPU path
 masks a whole prefill batch as one sequence), and HiCache gets its CPU pieces (``hicache.py``).
@@ -86,3 +86,11 @@ def threads_bind(ranks: int, cpus: list[int]) -> str:
     share = len(cpus) // ranks
     groups = [cpus[i * share:(i + 1) * share] for i in range(ranks)]
     return "|".join(",".join(map(str, group)) for group in groups)
+
+
+def is_current() -> bool:
+    """Whether SGLang runs on this platform in this process."""
+    from sglang.srt.platforms import current_platform
+
+    return getattr(current_platform, "device_name", None) == "cpu" and \
+        type(current_platform).__module__.startswith("sglang_unicache.platform")

@@ -91,11 +91,3 @@ def server_args_defaults(server_args) -> None:
                     "layout (the transfers this platform implements)")
     server_args.hicache_io_backend = "direct"
     server_args.hicache_mem_layout = "layer_first"
-
-
-def platform_active() -> bool:
-    """Whether SGLang runs on this platform (its HiCache copies are this module's)."""
-    from sglang.srt.platforms import current_platform
-
-    return getattr(current_platform, "device_name", None) == "cpu" and \
-        type(current_platform).__module__.startswith("sglang_unicache.platform")

@@ -1,6 +1,11 @@
-"""Every write of compressed entries into pool slots: a request's spans after prefill
-(``write_spans``, undone by ``restore_spans``) and a cached span's entries when it is re-compressed
-(``move_entries``). The allocator's free list is the only other owner of a slot.
+"""The KV pool's one owner in the plugin: every write of compressed entries into pool slots and
+every slot the plugin gives back.
+
+Writes: a request's spans after prefill (``write_spans``, undone by ``restore_spans``) and a
+cached span's entries when it is re-compressed (``move_entries``). Frees: ``Slots.free``, for the
+N - K slots of a compaction and the slots a re-compression drops; it also clears the scheduler's
+"running batch is full" mark (set when a waiting request did not fit, cleared by SGLang only
+when a request leaves), since the slots freed make room too.
 
 Region map of one request's ``req_to_token`` row before and after (one span ``[s, e)``, N = e - s
 tokens kept as K entries, L prompt tokens; D = N - K):
@@ -17,12 +22,29 @@ all slots touched here belong to the request alone. The K/V each write overwrite
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from sglang_unicache.policy.inputs import LayerView
 from sglang_unicache.policy.kernels.scatter import as_bytes, write_compressed
+
+
+@dataclass
+class Slots:
+    """Where the plugin's freed slots go: the allocator, and then ``on_free`` (the scheduler's
+    batch-is-full reset)."""
+
+    allocator: object
+    on_free: Callable[[], None] | None = None
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel() == 0:
+            return
+        self.allocator.free(slots)
+        if self.on_free is not None:
+            self.on_free()
 
 
 @dataclass

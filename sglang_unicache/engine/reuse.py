@@ -1,0 +1,99 @@
+"""Reuse at match time: a waiting request's known images rewritten to the compressed spans the
+tree holds, so SGLang's own prefix match takes them (no encoding, no prefill for them).
+
+For each image of the request the span index names every cached copy (``SpanIndex.id_choices``,
+newest first); the request is rewritten to them and matched. Spans the tree holds completely
+stay rewritten; for the first one it does not hold, the image's next copy is tried, else the
+request stops before it; the rest are restored to the original ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sglang_unicache.engine.request import full_kv_only, namespace, state_of
+from sglang_unicache.engine.rewrite import SpanRewrite, restore, rewrite
+from sglang_unicache.engine.spans import SpanIndex
+from sglang_unicache.engine.stats import Stats
+from sglang_unicache.engine.targets import Targets
+
+
+@dataclass
+class Reuse:
+    targets: Targets  # the request's image spans
+    spans: Callable[[], SpanIndex]  # the cache's index of compressed spans
+    stats: Stats
+    active: bool = True
+
+    def match(self, match: Callable[[], None], req) -> None:
+        """Run SGLang's prefix match (``match()``) with the request's known images rewritten to
+        their compressed ids; keep the rewrite for the spans the tree fully holds, undo the rest.
+
+        Waiting requests are matched again every round. Which spans to rewrite is decided again
+        only when the span index changed since the request's last decision (``SpanIndex.epoch``:
+        a span added, evicted or re-compressed); otherwise the request keeps the ids that decision
+        left and only SGLang's own match runs, as for any request. A new decision starts from the
+        original ids (idempotent) and leaves either a consistent rewrite or the original request.
+        """
+        index = self.spans()
+        state = state_of(req)
+        eligible = not (not self.active or req.kv.holds_kv or req.is_retracted
+                        or full_kv_only(req))
+        if eligible and state.matched == index.epoch:
+            match()
+            return
+        self.undo(req)
+        if not getattr(req, "retracted_stain", False):
+            state.reused = 0  # SGLang counts cached_tokens at the first prefill only
+        if not eligible:
+            match()  # a retracted request is prefilled again from its own tokens
+            return
+        state.matched = index.epoch
+        # SGLang matches at most the prompt's length - 1 (one token must be computed); a span
+        # past that cap would be cut in the middle, so it is not rewritten.
+        limit = len(req.origin_input_ids) - 1
+        choices: dict[int, list[tuple[int, ...]]] = {}  # span start -> ids to try, newest first
+        candidates = []
+        for start, end, pad in self.targets.image_spans(req):
+            options = index.id_choices((namespace(req), pad, start, end - start))
+            if options and end <= limit:
+                choices[start] = options
+                candidates.append(SpanRewrite(start, end, options[0]))
+        while candidates:
+            record = rewrite(req, candidates)
+            match()
+            # A span HiCache holds only in host memory counts: admission loads it back.
+            matched = req.prefix_len + getattr(req, "host_hit_length", 0)
+            removed_before, covered = 0, []
+            for span in candidates:
+                if matched < span.start - removed_before + len(span.ids):
+                    break
+                covered.append(span)
+                removed_before += span.removed
+            if covered == candidates:
+                state.rewrites = [record]
+                state.reused = record.removed  # usage: cached tokens as the user sent them
+                self.stats.spans_reused += len(covered)
+                return
+            restore(req, record)
+            # The tree matched up to the first span it does not hold under these ids: try that
+            # image's next cached copy (another prefix's, or another request's plan), else stop
+            # before it.
+            missed = candidates[len(covered)]
+            options = choices[missed.start]
+            at = options.index(missed.ids) + 1
+            if at < len(options):
+                candidates[len(covered)] = SpanRewrite(missed.start, missed.end, options[at])
+            else:
+                candidates = covered
+        match()
+
+    @staticmethod
+    def undo(req) -> None:
+        """Back to the ids, offsets and positions the user sent (every rewrite, newest first)."""
+        state = state_of(req)
+        for record in reversed(state.rewrites):
+            restore(req, record)
+        state.rewrites = []
+        state.matched = None

@@ -1,0 +1,27 @@
+"""The scheduler's counters: what the plugin did, for ``/server_info``, ``/metrics`` and the
+benchmarks (``metrics.py`` names and explains each one exported)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Stats:
+    images_compressed: int = 0
+    requests_compressed: int = 0
+    slots_freed: int = 0
+    fallbacks: int = 0  # requests whose self-check failed even at escalate_max_keep: full KV kept
+    escalations: int = 0  # budget doublings after a failed self-check
+    errors: int = 0  # compressions that raised (on any tensor-parallel rank): full KV kept
+    capture_missed: int = 0  # prefills whose attention ran past the query hook: full KV kept
+    rank_disagreements: int = 0  # --tp-size: compressions the ranks did not do alike
+    retracted: int = 0  # requests retracted by the scheduler (restored to their own ids)
+    skipped_cached: int = 0
+    spans_reused: int = 0
+    images_prefilled: int = 0  # image spans a prefill computed (SGLang encodes exactly these)
+    compress_seconds: float = 0.0  # policy + compaction, summed (benchmarks read it)
+    prefill_seconds: float = 0.0  # forwards of extend batches that had targets, summed
+
+    def to_dict(self) -> dict[str, float]:
+        return dict(self.__dict__)
