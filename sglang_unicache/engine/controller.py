@@ -79,8 +79,7 @@ class Controller:
                                        self.slots, self.tp, self.stats, self.outcomes)
         self.reuse = Reuse(self.targets, lambda: self.spans, self.stats, self.active)
         if self.tree is not None:
-            self.tree.enable_spans(SpanSettings(self.naming, cfg.recompress,
-                                                cfg.recompress_factor, cfg.recompress_floor),
+            self.tree.enable_spans(SpanSettings(self.naming, cfg.recompress, self.method.keep),
                                    self.slots)
 
     @property

@@ -59,8 +59,10 @@ from sglang_unicache.engine.host_pool import quantize_host_copies
 from sglang_unicache.engine.kvpool import Slots, move_entries, pool_buffers
 from sglang_unicache.engine.request import state_of
 from sglang_unicache.engine.spans import SpanIndex, SpanMeta, SpanNaming
+from sglang_unicache.policy.catalog import from_config
+from sglang_unicache.policy.keep import KeepRatio
 from sglang_unicache.policy.quantize import bits_of
-from sglang_unicache.policy.shrink import shrink_order, shrunk_count
+from sglang_unicache.policy.shrink import shrink_order
 
 logger = logging.getLogger("sglang_unicache")
 
@@ -167,13 +169,11 @@ class SpanSettings:
 
     naming: SpanNaming
     recompress: bool
-    factor: float
-    floor: float
+    keep: KeepRatio  # how far a re-compression shrinks a span
 
     @classmethod
     def of(cls, config) -> SpanSettings:
-        return cls(SpanNaming.of(config), config.recompress, config.recompress_factor,
-                   config.recompress_floor)
+        return cls(SpanNaming.of(config), config.recompress, from_config(KeepRatio, config))
 
 
 @dataclass
@@ -363,7 +363,7 @@ class CompressedRadixCache(UnifiedRadixCache):
             return 0
         at, meta = found[-1]
         settings = self.settings
-        k_new = shrunk_count(meta.count, meta.length, settings.factor, settings.floor)
+        k_new = settings.keep.shrunk(meta.count, meta.length)
         if k_new >= meta.count:
             return 0
         new_ids = settings.naming.ids(meta.pad, meta.start, k_new, meta.variant)

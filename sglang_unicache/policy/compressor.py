@@ -1,4 +1,4 @@
-"""The compression template, written once: score -> budget -> select -> reduce (STYLE.md).
+"""The compression template, written once: score -> budget -> select -> reduce.
 
 A ``Method`` is a composition of one scorer (``scorers/``), one layer budget (``budgets/``) and
 one reducer (``reducers/``) plus two selection knobs (recent tokens for H2O, spatial anchors for
@@ -41,6 +41,7 @@ from sglang_unicache.policy.context import PlanContext
 from sglang_unicache.policy.executor import execute
 from sglang_unicache.policy.heads import num_clusters
 from sglang_unicache.policy.inputs import ImageSpan, ScoreInputs
+from sglang_unicache.policy.keep import KeepRatio
 from sglang_unicache.policy.plans import (
     ByteReport,
     CompressedKV,
@@ -116,6 +117,10 @@ class Method:
         return from_config(SelfCheck, self.config, "selfcheck_") if self.config.selfcheck else None
 
     @cached_property
+    def keep(self) -> KeepRatio:
+        return from_config(KeepRatio, self.config)
+
+    @cached_property
     def dynamic_rate(self) -> DynamicRate | None:
         return from_config(DynamicRate, self.config) if self.config.dynamic_rate else None
 
@@ -136,19 +141,19 @@ class Method:
         if ctx.has_queries and not identity and wants_alignment:
             align_score = alignment_scores(ctx)  # reuses the per-layer statistics cached above
             alignment = align_score >= cfg.alignment_threshold
-        keep, complexity = cfg.keep_ratio, None
+        dynamic, complexity = None, None
         if self.dynamic_rate is not None and not identity:
             n_align = int(alignment.sum()) if alignment is not None else 0
             n_v = int(ctx.is_visual.sum())
-            keep, complexity = self.dynamic_rate.keep_ratio(n_v, inputs.num_tokens - n_v, n_align)
+            dynamic, complexity = self.dynamic_rate.keep_ratio(n_v, inputs.num_tokens - n_v,
+                                                               n_align)
         use_align = align_score if self.protects_alignment else None
-        keep, escalations = self._skip_hopeless(ctx, keep, identity)
+        keep, escalations = self._skip_hopeless(ctx, self.keep.start(dynamic), identity)
         plans, check = self._plan_spans(ctx, scores, keep, use_align, identity)
-        while check is not None and not check.passed and keep < cfg.escalate_max_keep:
+        while check is not None and not check.passed and self.keep.can_escalate(keep):
             # A failed check doubles the budget up to the cap before the caller falls back to the
             # full KV (seed §7.1 fallback made graded; the scores are reused, only K changes).
-            keep, skipped = self._skip_hopeless(ctx, min(2.0 * keep, cfg.escalate_max_keep),
-                                                identity)
+            keep, skipped = self._skip_hopeless(ctx, self.keep.escalated(keep), identity)
             escalations += 1 + skipped
             plans, check = self._plan_spans(ctx, scores, keep, use_align, identity)
         return RequestPlan(self.name, plans, keep, check, complexity, alignment, escalations)
@@ -161,14 +166,11 @@ class Method:
         and checked only to fail. The cap is always planned (its check is the one reported).
         The outcome is the one stepping through every level gives, without the failed plans
         (on the random perf models every image escalated, each level planned and checked)."""
-        cap = self.config.escalate_max_keep
         if self.selfcheck is None or identity:
             return keep, 0
-        skipped = 0
-        while keep < cap and self.selfcheck.content_hopeless(ctx, self._content_counts(ctx, keep)):
-            keep = min(2.0 * keep, cap)
-            skipped += 1
-        return keep, skipped
+        check = self.selfcheck
+        return self.keep.climb(
+            keep, lambda level: check.content_hopeless(ctx, self._content_counts(ctx, level)))
 
     def _content_counts(self, ctx: PlanContext, keep: float) -> list[tuple[ImageSpan, int]]:
         """Each planned span with the entries its plan keeps in the self-check's content layer

@@ -5,33 +5,18 @@ it was chosen with (``LayerPlan.priority``: protected entries rank above all oth
 ``compressor.selection_key``). Under memory pressure the radix cache shrinks the span instead of
 evicting it: every (layer, head) keeps its top-K' entries by that priority, so alignment-protected
 entries (seed §5.3) survive as long as the budget can hold them. The source tokens of dropped
-entries are gone, so nothing is merged again: a shrink only evicts.
+entries are gone, so nothing is merged again: a shrink only evicts. How many entries a
+re-compression keeps is the keep ratio's owner's (``keep.KeepRatio.shrunk``).
 
     keep = shrink_order(priority, k_new)      # [L, H, K'] indices into the K entries
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-__all__ = ["shrink_order", "shrunk_count"]
-
-
-def shrunk_count(current: int, original: int, factor: float, floor: float) -> int:
-    """Entries a span of ``current`` entries (``original`` tokens before compression) keeps
-    after one re-compression: ``ceil(current * factor)``, never below ``ceil(original * floor)``
-    or 1. Returns ``current`` when the span is already at its floor.
-
-    Alignment-protected entries are no floor: compression caps them at the smallest layer budget
-    (``scorers.alignment``), and a re-compression is a smaller budget, so they are kept first
-    (they rank highest) and dropped last. As a floor they froze every span whose smallest layer
-    they filled (a uniform budget: all of them), and the span was evicted instead of halved
-    (BENCHMARKS.md, "Defaults as shipped")."""
-    lowest = max(1, math.ceil(original * floor))
-    return max(min(current, lowest), math.ceil(current * factor))
+__all__ = ["shrink_order"]
 
 
 def shrink_order(priority: Tensor, k: int) -> Tensor:

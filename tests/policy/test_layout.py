@@ -19,6 +19,7 @@ from sglang_unicache.policy.checks.dynamic_rate import DynamicRate
 from sglang_unicache.policy.checks.selfcheck import SelfCheck
 from sglang_unicache.policy.config import UniCacheConfig
 from sglang_unicache.policy.context import PlanContext
+from sglang_unicache.policy.keep import KeepRatio
 from sglang_unicache.policy.registry import BUDGETS, REDUCERS, SCORERS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +37,7 @@ LAYERS = {
 
 # Inside policy/, bottom to top: a module imports only from lower ranks (and its own subpackage).
 RANKS = [
-    {"catalog", "config", "serial", "shrink", "kernels"},
+    {"catalog", "config", "serial", "shrink", "keep", "kernels"},
     {"inputs", "heads", "signals", "ranks"},
     {"plans"},
     {"context", "quantize"},
@@ -168,7 +169,8 @@ def test_parts_are_built_with_their_own_defaults() -> None:
             part = build(cfg)
             assert dataclasses.is_dataclass(part), name
             assert part == type(part)(), name
-    for cls, prefix in ((ModalityBudget, ""), (SelfCheck, "selfcheck_"), (DynamicRate, "")):
+    for cls, prefix in ((ModalityBudget, ""), (SelfCheck, "selfcheck_"), (DynamicRate, ""),
+                        (KeepRatio, "")):
         assert from_config(cls, cfg, prefix) == cls()
     for f in dataclasses.fields(PlanContext):
         if f.init and f.name not in ("inputs", "shards"):  # not settings: the request, the ranks

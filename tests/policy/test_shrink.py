@@ -6,15 +6,16 @@ import pytest
 import torch
 
 from sglang_unicache.policy.config import UniCacheConfig
+from sglang_unicache.policy.keep import KeepRatio
 from sglang_unicache.policy.registry import build_method
-from sglang_unicache.policy.shrink import shrink_order, shrunk_count
+from sglang_unicache.policy.shrink import shrink_order
 from tests.policy.conftest import make_inputs
 
 
 def test_shrunk_count_halves_down_to_the_floor():
     counts, k = [], 26
     while True:
-        nxt = shrunk_count(k, original=256, factor=0.5, floor=0.02)
+        nxt = KeepRatio(recompress_factor=0.5, recompress_floor=0.02).shrunk(k, original=256)
         if nxt == k:
             break
         counts.append(k := nxt)

@@ -1,0 +1,66 @@
+"""The keep ratio's one owner: from the request's first plan to its span's last re-compression.
+
+1. **Start**: ``keep_ratio``, or with ``dynamic_rate`` the ratio the request's complexity gives
+   (UniCache seed §7.2, ``checks/dynamic_rate.py``).
+2. **Escalation**: a failed self-check doubles it, up to ``escalate_max_keep`` (the cap; a start
+   above it is not escalated). A level whose plan cannot pass the check's content half is
+   skipped without being planned (``climb``); past the cap the request keeps its full KV.
+3. **Re-compression** under memory pressure: a cached span of K entries keeps
+   ``ceil(K * recompress_factor)``, never below ``ceil(N * recompress_floor)`` or 1
+   (``shrunk``; which entries go is ``shrink.shrink_order``'s).
+
+Between these, the parts turn the ratio into counts and never change it: the modality budgets
+split it between image and text (``budgets/modality.py``), the layer budget spreads a span's
+share over the layers, alignment protection spends part of it (``scorers/alignment.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KeepRatio:
+    keep_ratio: float = 0.1
+    escalate_max_keep: float = 0.4
+    recompress_factor: float = 0.5
+    recompress_floor: float = 0.02
+
+    def start(self, dynamic: float | None = None) -> float:
+        """The ratio a request is planned at first (``dynamic``: the dynamic rate's, if on)."""
+        return self.keep_ratio if dynamic is None else dynamic
+
+    def can_escalate(self, keep: float) -> bool:
+        return keep < self.escalate_max_keep
+
+    def escalated(self, keep: float) -> float:
+        """The next level after a failed check at ``keep``: doubled, capped."""
+        return min(2.0 * keep, self.escalate_max_keep)
+
+    def climb(self, keep: float, hopeless: Callable[[float], bool]) -> tuple[float, int]:
+        """(the first level from ``keep`` up whose plan can pass, the levels skipped): a
+        ``hopeless(level)`` level below the cap is skipped; the cap is always planned (its check
+        is the one reported)."""
+        skipped = 0
+        while self.can_escalate(keep) and hopeless(keep):
+            keep = self.escalated(keep)
+            skipped += 1
+        return keep, skipped
+
+    @property
+    def highest(self) -> float:
+        """The largest ratio a plan may reach (the cap, or a start above it)."""
+        return max(self.escalate_max_keep, self.keep_ratio)
+
+    def shrunk(self, current: int, original: int) -> int:
+        """Entries a span of ``current`` entries (``original`` tokens before compression) keeps
+        after one re-compression; ``current`` when it is already at its floor.
+
+        Alignment-protected entries are no floor: compression caps them at the smallest layer
+        budget, and a re-compression is a smaller budget, so they are kept first (they rank
+        highest) and dropped last. As a floor they froze every span whose smallest layer they
+        filled (with a uniform budget, all of them), which was then evicted instead of halved."""
+        lowest = max(1, math.ceil(original * self.recompress_floor))
+        return max(min(current, lowest), math.ceil(current * self.recompress_factor))
