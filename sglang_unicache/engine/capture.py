@@ -1,11 +1,11 @@
 """Score capture: the observation queries of each eligible request, taken during its prefill.
 
-DESIGN.md §3 (score capture). The AROUND hook on ``AttentionBackend.forward`` (``hooks.py``) sees
-every layer's post-RoPE queries of the tokens being extended, for any attention backend. Before
-the forward, ``QueryCapture`` computes once which rows of the flattened batch are the last W
-prompt positions of the requests that will be compressed; each layer costs one gather (no loop,
-no host sync). Memory: ``layers x W x q_heads x head_dim`` per request. Keys need no capture: they
-are in the KV pool after the forward.
+The AROUND hook on ``AttentionBackend.forward`` (``hooks.py``) sees every layer's post-RoPE queries
+of the tokens being extended, for any attention backend. Before the forward, ``QueryCapture``
+computes once which rows of the flattened batch are the last W prompt positions of the requests that
+will be compressed; each layer costs one gather (no loop, no host sync). Memory:
+``layers x W x q_heads x head_dim`` per request. Keys need no capture: they are in the KV pool
+after the forward.
 """
 
 from __future__ import annotations

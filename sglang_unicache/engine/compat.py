@@ -1,9 +1,9 @@
 """What the plugin expects of the installed SGLang: one pinned version and the hooked targets.
 
-Checked once per process when the plugin registers (DESIGN.md §3): the version before anything of
-SGLang is imported, then the targets the hooks declare (``hooks.targets()``). A mismatch stops the
-process with one line that names the expected version or the missing target, instead of a
-traceback deep inside a half-patched engine.
+Checked once per process when the plugin registers: the version before anything of SGLang is
+imported, then the targets the hooks declare (``hooks.targets()``). A mismatch stops the process
+with one line that names the expected version or the missing target, instead of a traceback deep
+inside a half-patched engine.
 """
 
 from __future__ import annotations

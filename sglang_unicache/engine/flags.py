@@ -1,10 +1,10 @@
 """The ``--unicache*`` flags: parsed by the launcher, validated once, carried to the scheduler.
 
-DESIGN.md §3 (CLI). An AFTER hook on ``ServerArgs.add_cli_args`` adds the flags; an AROUND hook
-on ``ServerArgs.from_cli_args`` turns them into one frozen ``UniCacheConfig`` and attaches it to
-the ``ServerArgs`` record as bookkeeping (``_unicache_config``), which survives the pickling that
-hands the record to the scheduler process. ``sglang.Engine(..., unicache=True, ...)`` takes the
-same settings as keyword arguments (``unicache_method=...``, ...).
+An AFTER hook on ``ServerArgs.add_cli_args`` adds the flags; an AROUND hook on
+``ServerArgs.from_cli_args`` turns them into one frozen ``UniCacheConfig`` and attaches it to the
+``ServerArgs`` record as bookkeeping (``_unicache_config``), which survives the pickling that hands
+the record to the scheduler process. ``sglang.Engine(..., unicache=True, ...)`` takes the same
+settings as keyword arguments (``unicache_method=...``, ...).
 
 Bad values stop the launcher with one line naming the flag and the allowed values.
 """

@@ -1,4 +1,4 @@
-"""Positions after a compacted span keep their original (logical) values (DESIGN.md §3).
+"""Positions after a compacted span keep their original (logical) values.
 
 SGLang computes decode positions from the row length: M-RoPE models (Qwen2-VL, Qwen2.5-VL) use
 ``mrope_position_delta + seq_len - 1``. When a span of N tokens becomes K entries the row is

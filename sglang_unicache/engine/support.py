@@ -1,4 +1,4 @@
-"""Setups ``--unicache`` refuses at startup, each with one line that says why (DESIGN.md §5).
+"""Setups ``--unicache`` refuses at startup, each with one line that says why.
 
 Compaction rewrites a request's row of ``req_to_token`` slot by slot and keeps one dtype per pool,
 so it needs page size 1, an ordinary MHA pool and no second copy of the KV elsewhere.

@@ -121,7 +121,7 @@ class UniCacheConfig:
     shallow_w_redundancy: float = 0.3
     deep_w_attention: float = 0.5
     redundancy_window: int = doc(4, "k neighbours each side, seed §4.2 says 4-8")
-    # Query robustness (DESIGN §5, ours): blend of question-dependent attention with
+    # Query robustness (ours, docs/method.md): blend of question-dependent attention with
     # question-independent saliency (low key norm). Defaults from the reuse benchmark
     # (BENCHMARKS.md): the first question's attention alone served later questions best at every
     # keep ratio (0.6 / 0.05 cost 5-9 points).
@@ -130,7 +130,7 @@ class UniCacheConfig:
 
     head_merge: bool = doc(
         False,
-        "off in the engine path: cannot shrink an MHA pool (DESIGN §5)",
+        "off in the engine path: cannot shrink an MHA pool (docs/policy.md)",
         section="head merging (seed §3)",
     )
     head_merge_threshold: float = 0.88
@@ -201,7 +201,7 @@ class UniCacheConfig:
     recompress_factor: float = 0.5
     recompress_floor: float = 0.02
 
-    aircache_alpha: float = doc(0.9, section="AirCache (seed 001) and baselines")
+    aircache_alpha: float = doc(0.9, section="AirCache (ICCV 2025) and baselines")
     aircache_floor: float = doc(0.1, "added to normalised layer scores before rescaling (ours)")
     pyramid_beta: float = doc(20.0, "PyramidKV: top layer gets average/beta")
     h2o_recent_fraction: float = doc(0.5, "H2O: share of the budget for recent tokens")

@@ -5,10 +5,10 @@ Order (seed §3.2): heads are merged *before* token scoring, so token importance
 merged representation (``PlanContext`` merges before any signal); the compressor therefore scores
 and selects tokens per cluster, and the executor (``executor.py``) merges the stored K/V.
 
-Honesty note (DESIGN §5): SGLang's ``MHATokenToKVPool`` stores every KV head in every slot, so
-replacing heads by their cluster mean saves no pool memory. The saving (one copy per cluster) is
-reported separately as ``ByteReport.head_merged`` and needs its own storage / attention path. It is
-off in the engine path by default (``UniCacheConfig.head_merge``).
+Honesty note (``docs/policy.md``, "Honest memory accounting"): SGLang's ``MHATokenToKVPool`` stores
+every KV head in every slot, so replacing heads by their cluster mean saves no pool memory. The
+saving (one copy per cluster) is reported separately as ``ByteReport.head_merged`` and needs its own
+storage / attention path. It is off in the engine path by default (``UniCacheConfig.head_merge``).
 
 Departure: clustering is single-linkage (the transitive closure of "cosine >= threshold"), computed
 with boolean matrix products instead of a Python loop over heads; the seed does not name the

@@ -74,9 +74,10 @@ class ByteReport(Serial):
 
     full: uncompressed span. nominal: sum over layers of K_l entries (what ``execute`` returns).
     physical: L * physical_slots entries, what a pool whose slot spans all layers holds
-    (DESIGN §5). quantized: int8/int4 payload + fp32 per-head scales of the nominal entries, 0 if
-    quantization is off. head_merged: nominal entries stored once per head cluster (seed §3;
-    needs its own storage, an MHA pool cannot realise it). metadata: bytes of the plan's tensors.
+    (``docs/policy.md``, "Honest memory accounting"). quantized: int8/int4 payload + fp32 per-head
+    scales of the nominal entries, 0 if quantization is off. head_merged: nominal entries stored
+    once per head cluster (seed §3; needs its own storage, an MHA pool cannot realise it). metadata:
+    bytes of the plan's tensors.
     """
 
     full: int

@@ -5,8 +5,8 @@ Symmetric, one fp32 scale per KV head = max |x| over the head's entries / qmax (
 small dynamic range, seed §9). Applied after token compression (seed §6.3: quantizing first would
 perturb the importance scores). Error bound: |x - dequant(quant(x))| <= scale / 2 per element.
 
-SGLang's pool has one dtype (DESIGN §5), so the engine would store these payloads in a separate
-tier; the executor always also returns dequantized tensors in the input dtype.
+SGLang's KV pool holds one dtype for every slot, so the engine would store these payloads in a
+separate tier; the executor always also returns dequantized tensors in the input dtype.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def test_unicache_budget_profile_and_level() -> None:
 
 def test_unicache_default_budget_holds_the_asked_share_of_slots() -> None:
     """The default method keeps round(keep * N) in every layer: the slots a pool holds are the
-    keep ratio asked for, not the curve's largest layer (DESIGN §5)."""
+    keep ratio asked for, not the curve's largest layer (``docs/policy.md``)."""
     inp = make_inputs(layers=3, spans=((0, 100),), tokens=110)
     plan = build_method(UniCacheConfig(keep_ratio=0.4, anchor_fraction=0.0)).plan(inp).spans[0]
     assert [lp.budget for lp in plan.layers] == [40, 40, 40]

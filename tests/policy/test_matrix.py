@@ -1,4 +1,4 @@
-"""One matrix over every registered method x keep ratio x dtype x GQA shape (STYLE.md "Tests").
+"""One matrix over every registered method x keep ratio x dtype x GQA shape.
 
 Invariants: exact budgets, protected tokens kept, ratio 1.0 is the identity, deterministic,
 byte accounting equals the tensors, plans survive serialization. A new method is covered by

@@ -1,10 +1,10 @@
 """``unicache_cpu``: an out-of-tree SGLang platform that runs the real engine on a CPU.
 
-DESIGN.md §4. SGLang's own CPU engine (``SGLANG_USE_CPU_ENGINE=1``) needs a CPU build of
-sgl-kernel that is not on the package registry. An out-of-tree platform (``PlatformEnum.OOT``,
-``device_type = "cpu"``) instead makes the core take its pure-torch paths: no sgl_kernel, no
-vllm ops, the ``torch_native`` attention backend and the ordinary ``MHATokenToKVPool``. The
-scheduler, the radix cache and the model code are SGLang's own.
+SGLang's own CPU engine (``SGLANG_USE_CPU_ENGINE=1``) needs a CPU build of sgl-kernel that is not on
+the package registry. An out-of-tree platform (``PlatformEnum.OOT``, ``device_type = "cpu"``)
+instead makes the core take its pure-torch paths: no sgl_kernel, no vllm ops, the ``torch_native``
+attention backend and the ordinary ``MHATokenToKVPool``. The scheduler, the radix cache and the
+model code are SGLang's own.
 
 Activation (``activate`` is the ``sglang.srt.platforms`` entry point):
 

@@ -3,7 +3,7 @@
 - ``uniform.py``  same K in every layer; ``FullBudget`` keeps everything
 - ``pyramid.py``  PyramidKV arithmetic decrease
 - ``unicache.py`` UniCache cosine layer-rate curve (seed §4.3)
-- ``aircache.py`` AirCache strength + skewness (seed 001, design 2)
+- ``aircache.py`` AirCache strength + skewness (key design 2)
 - ``modality.py`` UniCache modality budgets by information density (seed §5.2)
 """
 

@@ -1,4 +1,4 @@
-"""AirCache layer budget from strength and skewness (seed 001, "Key design 2").
+"""AirCache layer budget from strength and skewness (AirCache, key design 2).
 
 Per layer, on the visual importance I_v of the elite window (``scorers/aircache.py``; mean over
 KV heads):

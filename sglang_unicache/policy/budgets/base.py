@@ -1,11 +1,11 @@
-"""Contract of a layer budget (the "how many per layer" axis, STYLE.md).
+"""Contract of a layer budget (the "how many per layer" axis).
 
 A budget turns a span's total entry count into per-layer counts ``K_l`` (identical across the heads
 of a layer). Most budgets only define ``layer_factors(ctx) -> [L]`` (positive, any scale): the
 share of each layer. ``allocate`` then apportions exactly ``L * K`` entries, ``K = max(1,
 round(keep * N))``, with ``1 <= K_l <= N`` (``apportion``), so the *average* keep ratio over
-layers is
-the requested one. The physical slots a span needs are ``max_l K_l`` (DESIGN §5).
+layers is the requested one. The physical slots a span needs are ``max_l K_l``: a pool slot spans
+every layer (``docs/policy.md``, "Honest memory accounting").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Modality budgets by information density (UniCache seed 000 §5.2), for ``compress_text`` mode.
+"""Modality budgets by information density (UniCache seed §5.2), for ``compress_text`` mode.
 
 1. Density proxy: mean pairwise cosine similarity of a modality's K/V (high similarity = redundant
    = low density). We use ``rho = 1 - mean similarity`` as the density, so that

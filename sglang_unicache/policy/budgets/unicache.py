@@ -1,4 +1,4 @@
-"""UniCache layer rates on a cosine curve (seed 000 §4.3, §8.1).
+"""UniCache layer rates on a cosine curve (UniCache seed §4.3, §8.1).
 
 Compression rate of layer l (0-based, L layers):
 

@@ -1,4 +1,4 @@
-"""Dynamic compression rate from input complexity (UniCache seed 000 §7.2).
+"""Dynamic compression rate from input complexity (UniCache seed §7.2).
 
     complexity = log(V) + log(T) + lambda * N_align / (T + V)        (lambda = 2)
 

@@ -1,4 +1,4 @@
-"""Self-check of a plan (UniCache seed 000 §7.1): does attention still see the same thing?
+"""Self-check of a plan (UniCache seed §7.1): does attention still see the same thing?
 
 Seed: compare the attention of the last layers before and after compression; past a threshold
 the compression went too far and the caller keeps the full KV. The seed's statistic is the KL

@@ -1,4 +1,4 @@
-"""Contract of a reducer (the "what happens to the tokens not kept" axis, STYLE.md).
+"""Contract of a reducer (the "what happens to the tokens not kept" axis).
 
 A reducer receives, for one span and one layer, the selected entries ``kept [H, K]`` (ascending,
 span-relative) and the span's scores ``[H, N]`` and returns ``(assign [H, N] int32, weight [H, N]

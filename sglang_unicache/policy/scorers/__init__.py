@@ -7,7 +7,7 @@ imports every module in it, which registers it.
 - ``knorm.py``     low key norm (question-independent)
 - ``random.py``    seeded random
 - ``full.py``      identity
-- ``aircache.py``  elite observation window (AirCache seed, design 1)
+- ``aircache.py``  elite observation window (AirCache, key design 1)
 - ``tova.py``      the last position's head-averaged attention (TOVA)
 - ``unicache.py``  unified importance w_a a + w_c c - w_d d + w_r r (UniCache seed §4.2)
 - ``alignment.py`` alignment tokens and protection with discount (UniCache seed §5.3)

@@ -1,4 +1,4 @@
-"""AirCache scorer: visual importance from the Elite Observation Window (seed 001, "Key design 1").
+"""AirCache scorer: visual importance from the Elite Observation Window (key design 1).
 
 Seed procedure, per layer:
 1. Text self-attention of the last text token: ``Att = softmax(q_last K_t^T / sqrt(D))`` over text
@@ -8,7 +8,7 @@ Seed procedure, per layer:
    ``A = softmax(Q_tk K_vtk^T / sqrt(D))``.
 4. Visual importance ``I_v = mean over elite queries of A[:, visual columns]``.
 
-Departures (the engine captures only the last W queries, DESIGN "API"):
+Departures (the engine captures only the queries of the last W prompt positions):
 - The elite set can only contain text tokens whose queries we have: candidates are the observation
   positions that are text, and the threshold is ``alpha * max`` over those candidates (the seed's
   max over *all* text tokens is often an attention sink with no captured query, which would leave
@@ -72,4 +72,4 @@ class AirCacheScorer:
 
 
 method("aircache", scorer="aircache", budget="aircache", reducer="evict",
-       summary="AirCache: elite observation window, strength + skewness budgets (seed 001)")
+       summary="AirCache: elite observation window, strength + skewness budgets (ICCV 2025)")

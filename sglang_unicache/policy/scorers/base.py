@@ -1,4 +1,4 @@
-"""Contract of a scorer (the "which tokens" axis, STYLE.md).
+"""Contract of a scorer (the "which tokens" axis).
 
 ``score(ctx, layer) -> [H, T]`` fp32: the importance of every token of the request for each KV
 head of ``layer``; higher = keep. Scores of text tokens are computed too (used when
@@ -11,7 +11,8 @@ frozen dataclass and sets its name and the capabilities below as class attribute
 Capabilities (read by the compressor and the engine instead of isinstance checks):
 - ``needs_queries``: cannot run without observation queries (raises a clear ValueError).
 - ``query_dependent``: the selection depends on the question that was prefilled; a span compressed
-  by such a scorer and shared through the radix tree serves later questions less well (DESIGN §5).
+  by such a scorer and shared through the radix tree serves later questions less well
+  (``docs/method.md``, "Query robustness").
 """
 
 from __future__ import annotations

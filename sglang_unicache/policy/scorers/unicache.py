@@ -1,4 +1,4 @@
-"""UniCache unified importance (seed 000 §2.3, §4.2, §4.3) with a query-robust blend (ours).
+"""UniCache unified importance (seed §2.3, §4.2, §4.3) with a query-robust blend (ours).
 
     s_i = w_a * a_i + w_c * c_i - w_d * d_i + w_r * r_i          (seed §4.2)
 
@@ -14,24 +14,24 @@
 - Layer-dependent weights (seed §4.3): first third of the layers w_d = 0.3, last third w_a = 0.5,
   middle third the defaults 0.4/0.3/0.2/0.1.
 
-Budget (departure from §4.3): every layer keeps K = round(keep * N) entries. The seed's cosine
-layer curve (shallow layers compress more) is ``budget: unicache``; in SGLang's pool a slot spans
-every layer (DESIGN §5), so the curve holds ``max_l K_l`` slots (8 instead of 6 of a 64-token
-image at keep 0.1) and the entries it takes from shallow layers free no memory. Measured as
-shipped on the trained model (BENCHMARKS.md, "Defaults as shipped", sessions 12-13): the same
-answers with 7.4 slots per image instead of 8, the self-check escalating the images 6 slots do
-not keep; 40 images resident in a full pool instead of 33. At the same keep ratio with the
-self-check off it holds fewer slots than the curve and loses where that matters (keep 0.05).
+Budget (departure from §4.3): every layer keeps K = round(keep * N) entries. The seed's cosine layer
+curve (shallow layers compress more) is ``budget: unicache``; in SGLang's pool a slot spans every
+layer (``docs/policy.md``, "Honest memory accounting"), so the curve holds ``max_l K_l`` slots (8
+instead of 6 of a 64-token image at keep 0.1) and the entries it takes from shallow layers free no
+memory. Measured as shipped on the trained model (BENCHMARKS.md, "Defaults as shipped", sessions
+12-13): the same answers with 7.4 slots per image instead of 8, the self-check escalating the images
+6 slots do not keep; 40 images resident in a full pool instead of 33. At the same keep ratio with
+the self-check off it holds fewer slots than the curve and loses where that matters (keep 0.05).
 
-Query robustness (DESIGN §5, ours, not in the seed): a span compressed after question 1 is reused
-for questions 2..N. The question-dependent parts are blended with a question-free saliency u (low
-key norm, normalised within modality; the knorm signal): ``a' = q*a + (1-q)*u``, same for c, with
-``q = query_weight`` (default 1.0 = the seed's formula). The template can also reserve
+Query robustness (ours, not in the seed; ``docs/method.md``): a span compressed after question 1 is
+reused for questions 2..N. The question-dependent parts are blended with a question-free saliency u
+(low key norm, normalised within modality; the knorm signal): ``a' = q*a + (1-q)*u``, same for c,
+with ``q = query_weight`` (default 1.0 = the seed's formula). The template can also reserve
 ``anchor_fraction`` (default 0) of each budget for evenly spaced anchors (spatial coverage, which
-DESIGN §6 found matters: background cells carry position). Both defaults are measured: in the
-reuse benchmark (BENCHMARKS.md) the blend 0.6 / 0.05 cost 5-9 points at every keep ratio from 5%
-to 50% on the trained model, so question-free saliency is opt-in. Without observation queries q
-is 0.
+matters: background cells carry position, ``docs/quality-benchmark.md``). Both defaults are
+measured: in the reuse benchmark (BENCHMARKS.md) the blend 0.6 / 0.05 cost 5-9 points at every keep
+ratio from 5% to 50% on the trained model, so question-free saliency is opt-in. Without observation
+queries q is 0.
 """
 
 from __future__ import annotations
@@ -97,6 +97,6 @@ class UniCacheScorer:
 
 
 method("unicache", scorer="unicache", budget="uniform", reducer="merge",
-       summary="UniCache: unified scores, one budget for every layer, merge (seed 000)",
+       summary="UniCache: unified scores, one budget for every layer, merge (docs/method.md)",
        anchor_fraction=lambda c: c.anchor_fraction,
        protects_alignment=lambda c: c.protect_alignment)
