@@ -16,23 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from sglang_unicache.engine import flags, positions, radix_cache, request
+from sglang_unicache.engine import flags, positions, request, startup
 from sglang_unicache.engine.capture import QueryCapture
 from sglang_unicache.engine.controller import Controller
 from sglang_unicache.engine.integrity import check_integrity
-from sglang_unicache.engine.kvpool import unwritable_pool
-from sglang_unicache.engine.metrics import Metrics
+from sglang_unicache.engine.overlap import OverlapDrain
 from sglang_unicache.engine.scale import routing
-from sglang_unicache.engine.scale.tensor_parallel import TensorParallel
-from sglang_unicache.engine.support import (
-    local_hf_config,
-    unsupported_host_quantization,
-    unsupported_setup,
-)
 from sglang_unicache.platform.cpu import dp_idle
-from sglang_unicache.policy.kernels import warm_up
 
 logger = logging.getLogger("sglang_unicache")
 
@@ -68,10 +58,7 @@ class PluginState:
     controller: Controller | None = None
     scheduler: Any = None
     capture: QueryCapture | None = None
-    # Overlap scheduler: results of extend batches with compression targets, not yet processed,
-    # and results processed ahead of the loop (``around_get_next_batch_to_run``), oldest first.
-    compressing: list = field(default_factory=list)
-    processed_early: list = field(default_factory=list)
+    overlap: OverlapDrain = field(default_factory=OverlapDrain)  # the overlap scheduler's order
 
 
 STATE = PluginState()
@@ -85,25 +72,6 @@ class UniCacheStartupError(SystemExit):
 
 
 CHECK_INTEGRITY = "SGLANG_UNICACHE_CHECK_INTEGRITY"  # "1": /server_info runs check_integrity
-MM_PREPROCESS_CACHE_MB = 256  # --unicache's default for SGLang's image preprocessing cache
-
-
-def _prepare_config(server_args: Any, config: Any) -> Any:
-    if config is not None:
-        reason = unsupported_setup(server_args, local_hf_config(server_args.model_path)) or \
-            unsupported_host_quantization(server_args, config)
-        if reason:
-            raise flags.UniCacheFlagError(reason)
-        backend = server_args.radix_cache_backend
-        if backend not in (None, radix_cache.BACKEND):
-            raise flags.UniCacheFlagError(
-                f"--unicache brings its own radix cache; drop --radix-cache-backend {backend}")
-        server_args.radix_cache_backend = radix_cache.BACKEND
-        if server_args.mm_preprocess_cache_size_mb is None:
-            # A reused image skips the encoder and its prefill; with SGLang's preprocessing cache
-            # it skips the image processor too (--mm-preprocess-cache-size-mb 0 turns it off).
-            server_args.mm_preprocess_cache_size_mb = MM_PREPROCESS_CACHE_MB
-    return config
 
 
 @hook("sglang.srt.server_args.ServerArgs.add_cli_args", "AFTER")
@@ -116,7 +84,7 @@ def after_add_cli_args(result: Any, parser: Any) -> Any:
 def around_from_cli_args(original: Any, cls: Any, args: Any) -> Any:
     server_args = original(cls, args)
     try:
-        config = _prepare_config(server_args, flags.config_from_namespace(args))
+        config = startup.prepare_config(server_args, flags.config_from_namespace(args))
     except flags.UniCacheFlagError as exc:
         raise UniCacheStartupError(str(exc)) from None
     flags.attach(server_args, config)
@@ -132,60 +100,16 @@ def make_engine_server_args(**kwargs: Any) -> Any:
 
     config = flags.pop_engine_kwargs(kwargs)
     server_args = ServerArgs(**kwargs)
-    flags.attach(server_args, _prepare_config(server_args, config))
+    flags.attach(server_args, startup.prepare_config(server_args, config))
     return server_args
 
 
 @hook(f"{_SCHEDULER}.__init__", "AFTER")
 def after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-    config = flags.config_of(scheduler.server_args)
-    if config is None:
-        return result
-    hf_config = scheduler.model_config.hf_config.to_dict()
-    reason = unsupported_setup(scheduler.server_args, hf_config)
-    if reason:
-        raise flags.UniCacheFlagError(reason)
-    allocator = scheduler.token_to_kv_pool_allocator
-    reason = unwritable_pool(allocator.get_kvcache())
-    if reason:
-        raise flags.UniCacheFlagError(
-            f"{reason}: --unicache writes compressed entries into the pool in place (use "
-            "--kv-cache-dtype auto, bf16, fp8_e4m3 or fp8_e5m2)")
-    tree = scheduler.tree_cache
-    from sglang.srt.runtime_context import get_parallel
-
-    parallel = get_parallel()
-    # One writer of /metrics per model replica: the gauges sum over data-parallel ranks.
-    exports = scheduler.server_args.enable_metrics and parallel.tp_rank == 0
-    controller = Controller(
-        config, scheduler.req_to_token_pool.req_to_token, allocator.get_kvcache(), allocator,
-        metrics=Metrics() if exports else None,
-        tree=tree if isinstance(tree, radix_cache.CompressedRadixCache) else None,
-        mrope=bool(scheduler.model_config.model_is_mrope),
-        dp_rank=parallel.dp_rank or 0, tp=TensorParallel.of(scheduler),
-        on_slots_freed=lambda: _room_made(scheduler))
-    STATE.controller, STATE.scheduler = controller, scheduler
-    _warm_kernels(scheduler)
-    logger.info("sglang-unicache: scheduler received config method=%s keep_ratio=%s "
-                "min_image_tokens=%s", config.method, config.keep_ratio, config.min_image_tokens)
+    controller = startup.scheduler_controller(scheduler)
+    if controller is not None:
+        STATE.controller, STATE.scheduler = controller, scheduler
     return result
-
-
-def _warm_kernels(scheduler: Any) -> None:
-    """The Triton kernels compile now, not inside the first request that compresses."""
-    pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
-    model = scheduler.model_config
-    group = model.num_attention_heads // model.num_key_value_heads
-    dtype = torch.bfloat16 if pool.dtype.itemsize == 1 else pool.dtype  # as prompt_kv reads it
-    warmed = warm_up(pool.device, pool.head_num, pool.head_num * group, pool.head_dim, dtype)
-    if warmed:
-        logger.info("sglang-unicache: kernels compiled at startup: %s", ", ".join(warmed))
-
-
-def _room_made(scheduler: Any) -> None:
-    """The scheduler marks its running batch full when a waiting request did not fit and
-    clears the mark only when a request leaves; slots the plugin frees make room too."""
-    scheduler.running_batch.batch_is_full = False
 
 
 def _compress(req: Any) -> None:
@@ -203,7 +127,7 @@ def around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kw
     try:
         result = original(scheduler, batch, *args, **kwargs)
         if STATE.capture is not None:
-            STATE.compressing.append(result)
+            STATE.overlap.compresses(result)
         return result
     finally:
         if STATE.capture is not None:
@@ -211,49 +135,20 @@ def around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kw
         STATE.capture = None
 
 
-def _holds(results: list, result: Any) -> bool:
-    """Whether ``result`` is in ``results`` (by identity: results do not compare by value)."""
-    return any(r is result for r in results)
-
-
-def _take(results: list, result: Any) -> bool:
-    """Remove ``result`` from ``results`` (by identity); whether it was there."""
-    for i, r in enumerate(results):
-        if r is result:
-            del results[i]
-            return True
-    return False
-
-
 @hook(f"{_SCHEDULER}.get_next_batch_to_run", "AROUND")
 def around_get_next_batch_to_run(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-    """Overlap scheduler: a prefill with requests to compress has its result processed (and the
-    requests compacted) before the next batch is built, as the non-overlap loop does. The next
-    decode then allocates each request's slot at its compacted length. Only the iterations after
-    such a prefill lose the overlap; every other one keeps it."""
-    if STATE.controller is not None and STATE.compressing:
-        queue = getattr(scheduler, "result_queue", None) or ()
-        waiting = [entry for entry in queue if not _holds(STATE.processed_early, entry[1])]
-        last = max((i for i, (_, result) in enumerate(waiting)
-                    if _holds(STATE.compressing, result)), default=-1)
-        for batch, result in waiting[:last + 1]:  # in order: results are processed in order
-            scheduler.process_batch_result(batch, result)
-            STATE.processed_early.append(result)
-            # The loop still pops this entry (and skips it). Until then SGLang reads the queued
-            # batch's requests as ones whose next token is not yet committed, and skips the
-            # decode of those it would finish by length; these have committed theirs.
-            batch.reqs = []
+    """Overlap scheduler: compressing prefills' results are processed before the next batch is
+    built (``overlap.py``)."""
+    if STATE.controller is not None:
+        STATE.overlap.drain(scheduler)
     return original(scheduler, *args, **kwargs)
 
 
 @hook(f"{_SCHEDULER}.process_batch_result", "AROUND")
 def around_process_batch_result(original: Any, scheduler: Any, batch: Any, result: Any,
                                 *args: Any, **kwargs: Any) -> Any:
-    """A result ``around_get_next_batch_to_run`` processed early is not processed again when the
-    overlap loop pops it."""
-    if _take(STATE.processed_early, result):
+    if STATE.overlap.already_processed(result):
         return None
-    _take(STATE.compressing, result)
     return original(scheduler, batch, result, *args, **kwargs)
 
 

@@ -1,5 +1,5 @@
 """The overlap scheduler with compression: a prefill whose requests are compressed has its result
-processed before the next batch is built, in order, and exactly once (``hooks.py``)."""
+processed before the next batch is built, in order, and exactly once (``overlap.py``)."""
 
 from collections import deque
 from types import SimpleNamespace
@@ -46,7 +46,7 @@ def test_a_compressing_prefill_is_processed_before_the_next_batch_is_built(state
     decode, prefill = object(), object()
     batches = [SimpleNamespace(reqs=["a"]), SimpleNamespace(reqs=["a", "b"])]
     scheduler.result_queue.extend(zip(batches, [decode, prefill], strict=True))
-    state.compressing.append(prefill)
+    state.overlap.compresses(prefill)
 
     scheduler.get_next_batch_to_run()
     assert scheduler.built == [[decode, prefill]]  # both, in queue order, before the build
@@ -56,7 +56,7 @@ def test_a_compressing_prefill_is_processed_before_the_next_batch_is_built(state
     scheduler.pop_and_process()
     scheduler.pop_and_process()
     assert scheduler.processed == [decode, prefill]  # not processed a second time
-    assert state.compressing == [] and state.processed_early == []
+    assert state.overlap.compressing == [] and state.overlap.processed_early == []
 
 
 def test_other_batches_keep_the_overlap(state):
@@ -78,7 +78,7 @@ def test_without_the_plugin_nothing_is_drained(monkeypatch):
     scheduler = FakeScheduler()
     prefill = object()
     scheduler.result_queue.append((SimpleNamespace(reqs=["a"]), prefill))
-    hooks.STATE.compressing.append(prefill)
+    hooks.STATE.overlap.compresses(prefill)
 
     scheduler.get_next_batch_to_run()
     assert scheduler.built == [[]]
