@@ -29,22 +29,20 @@ lint: setup
 format: setup
 	$(VENV)/bin/ruff format sglang_unicache tests benchmarks examples tools
 
-# Session 3 measured 19.8 minutes on a fresh clone (setup 5 min, perf.py 16 min, bench_policy.py
-# 1 min). perf.py's default parts have grown since, and the whole was not timed again: the
-# shipped rows, the decode part (10 min, session 8), capacity over 400 images on two models
-# (22 min, session 10), capacity with HiCache (~20 min, session 11), the workload on a larger
-# model (8 min). Results: runs/perf.json, logs
-# runs/perf-logs.
+# On a fresh clone setup takes 5 min and bench_policy.py 1 min. perf.py's default parts were
+# timed one by one, not as a whole: the decode part 10 min, capacity over 400 images on two
+# models 22 min, capacity with HiCache ~20 min, the workload on a larger model 8 min.
+# Results: runs/perf.json, logs runs/perf-logs.
 # Do not run it beside other jobs: see BENCHMARKS.md.
 bench: setup
 	$(PY) -m benchmarks.perf --out runs/perf.json
 	$(PY) -m benchmarks.bench_policy --reps 2 --dtype bf16
 
-# Quality vs keep ratio (issue 6): the transformers reference on 40 items per setting, then
+# Quality vs keep ratio: the transformers reference on 40 items per setting, then
 # eval_serving.py for full + 7 methods x 5 keep ratios, reuse and long settings, and UniCache with
-# its former query-robustness blend (unicache-qw0.6); then the defaults as shipped (the self-check
-# on: unicache-shipped, 4 more servers); 45 server starts, ~45 minutes on the quiet 2-core
-# machine; then the tables, target checks and plots.
+# a query-robustness blend (unicache-qw0.6, not the default); then the defaults as shipped (the
+# self-check on: unicache-shipped, 4 more servers); 45 server starts, ~45 minutes on the quiet
+# 2-core machine; then the tables, target checks and plots.
 # Results: runs/quality.json, runs/quality-qw.json, runs/quality.md, docs/img/quality-*.png.
 QUALITY_MODEL ?= assets/checkpoints/tiny-vqa-qwen2-vl
 GRID_MODEL ?= assets/checkpoints/tiny-grid-qwen2-vl
@@ -66,7 +64,7 @@ quality: setup
 		--ratios 0.1 --settings reuse,long --images 16 --questions 4 --selfcheck on \
 		--label=-shipped --out runs/grid-shipped.json
 
-# What the self-check predicts (issue 13, docs/selfcheck.md): every statistic recorded per image
+# What the self-check predicts (docs/selfcheck.md): every statistic recorded per image
 # for every method at keep 5/10/25% in the reuse setting, against harm to later answers, then
 # the grid model (the second task) at keep 10/20/40%. 29 server starts, ~55 minutes on the quiet
 # 2-core machine.

@@ -1,4 +1,4 @@
-"""Per-round cost of the plugin's bookkeeping with a large tree (issue 14, defect 8).
+"""Per-round cost of the plugin's bookkeeping with a large tree.
 
 Every scheduling round re-matches every waiting request and publishes the gauge
 ``compressed_slots_held`` (with ``--enable-metrics``). Two costs grew with the wrong thing:

@@ -1,4 +1,4 @@
-"""Plan + execute time of every registered method on a 7B-like request (issue 3 "Speed").
+"""Plan + execute time of every registered method on a 7B-like request.
 
 Shape: 28 layers, 4 KV heads (28 query heads, GQA group 7), head_dim 128, 4 images x 1024 tokens
 + 256 text tokens, observation window 32, keep ratio 0.1. Random K/V, so quality numbers mean

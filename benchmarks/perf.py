@@ -1,4 +1,4 @@
-"""Performance against stock SGLang, side by side, through the real engine (issue 7).
+"""Performance against stock SGLang, side by side, through the real engine.
 
 Each measurement starts stock SGLang and the plugin on the same model, pool and workload in the
 same run, and reports ratios. Numbers are read from the allocator (``/server_info``), never
@@ -12,10 +12,10 @@ estimated.
    share of the prefill forward, per method.
 
 3, 4 and 6 (workload, decode, concurrency: the serving workload) are in ``perf_workload.py``;
-``workload-large`` runs part 3 on a model where prefill costs (``WORKLOAD_MODEL``, issue 16).
+``workload-large`` runs part 3 on a model where prefill costs (``WORKLOAD_MODEL``).
 
     python -m benchmarks.perf --out runs/perf.json          # the default parts (see Makefile)
-    python -m benchmarks.perf --parts capacity,capacity-trained  # 22 minutes (session 10)
+    python -m benchmarks.perf --parts capacity,capacity-trained  # 22 minutes
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ TRAINED_MODEL = Path(__file__).parents[1] / "assets/checkpoints/tiny-vqa-qwen2-v
 # ~57 KB), enough that reading the KV is a visible share of a CPU decode step. 896 px = 1,024
 # visual tokens an image.
 DECODE_MODEL = {"hidden": 256, "layers": 4, "image_size": 896, "context": 8192}
-# The streaming part (issue 19): long visual context on a model where prefill costs, hidden 512,
+# The streaming part: long visual context on a model where prefill costs, hidden 512,
 # 8 layers, 1,024 visual tokens an image, 4 images a request.
 STREAMING_MODEL = {"hidden": 512, "layers": 8, "image_size": 896, "context": 20480}
-# The workload on a model where prefill costs (issue 16): the multi-turn part's 256-token images
+# The workload on a model where prefill costs: the multi-turn part's 256-token images
 # on the streaming part's width and depth, so a turn's image prefill is seconds on this CPU, far
 # more than the request's fixed path (HTTP, template, image processor), as on a real model.
 WORKLOAD_MODEL = {"hidden": 512, "layers": 8, "image_size": IMAGE_SIZE, "context": 8192}
@@ -98,7 +98,7 @@ def memory_per_image(model: Path, config: Path, ratios: list[float], log_dir: Pa
     servers = [("stock", flags_for(None, 1.0, config))]
     servers += [(f"unicache knorm keep {r}", flags_for("knorm", r, config)) for r in ratios]
     servers.append(("--unicache, defaults as shipped", SHIPPED))
-    # fp8 pools stack with compression (issue 16): half the bytes per slot.
+    # fp8 pools stack with compression: half the bytes per slot.
     servers.append(("stock, fp8_e4m3 KV", flags_for(None, 1.0, config) + FP8))
     servers.append(("unicache knorm keep 0.1, fp8_e4m3 KV", flags_for("knorm", 0.1, config) + FP8))
     servers.append(("--unicache defaults as shipped, fp8_e4m3 KV", SHIPPED + FP8))
@@ -146,8 +146,8 @@ def capacity_servers(config: Path, ratio: float) -> list[tuple[str, list[str]]]:
 
 def hicache_servers(model: Path, config: Path, ratio: float) -> list[tuple[str, list[str]]]:
     """Stock without and with HiCache, then the plugin (bf16, int8 and int4 host copies) and the
-    shipped defaults with HiCache (issue 16: spans resident in host memory count, a hit there
-    loads back)."""
+    shipped defaults with HiCache (spans resident in host memory count, a hit there loads
+    back)."""
     name, shipped = next(iter(SHIPPED_ROW.items()))
     quantized, d = [], head_dim(model)
     for mode in ("int8", "int4"):
@@ -282,7 +282,7 @@ def main() -> None:
     if "capacity-trained" in parts:  # the same on the bundled trained model (64-token images)
         results["capacity-trained"] = capacity(TRAINED_MODEL, config, 0.1, args.stream, log_dir,
                                                size=224, servers=capacity_rows)
-    if "capacity-hicache" in parts:  # spans in HiCache's host tier count (issue 16)
+    if "capacity-hicache" in parts:  # spans in HiCache's host tier count
         results["capacity-hicache"] = capacity(
             model, config, 0.1, args.stream, log_dir,
             servers=only_rows(hicache_servers(model, config, 0.1), args.rows))
@@ -309,7 +309,7 @@ def main() -> None:
         results["decode"] = decode(decode_model, {**servers, **SHIPPED_ROW}, log_dir,
                                    batch=args.decode_batch)
     if "dp" in parts:
-        # --dp-size 2 (issue 15): the workload with SGLang's round robin, then with image routing
+        # --dp-size 2: the workload with SGLang's round robin, then with image routing
         # (the ratio row), then stock SGLang and the shipped defaults at dp 2.
         round_robin = work / "round-robin.json"
         round_robin.write_text(json.dumps({"selfcheck": False, "dp_routing": False}))

@@ -1,4 +1,4 @@
-"""Serving-workload parts of the performance benchmark (issue 7, measurements 3, 4 and 6).
+"""Serving-workload parts of the performance benchmark (parts 3, 4 and 6 of ``perf.py``).
 
 Each part runs the same workload on every server of ``servers`` (name -> launch flags; stock
 SGLang first, then the plugin) in turn and adds a ``plugin / stock`` row. ``perf.py --parts``
@@ -254,7 +254,7 @@ def concurrency(model: Path, servers: dict[str, list[str]], log_dir: Path, *,
 
 def streaming(model: Path, servers: dict[str, list[str]], log_dir: Path, *, batch: int = 4,
               images: int = 4, image_px: int = 896, max_tokens: int = 48) -> list[dict]:
-    """What a streaming user sees (issue 19): ``batch`` requests of ``images`` pictures sent at
+    """What a streaming user sees: ``batch`` requests of ``images`` pictures sent at
     once, so later prefills land while earlier requests decode. Per request, the time per output
     token from its first token to its last (``tpot``: mean and worst request), and every gap
     between two tokens (``itl`` p50/p99 over all requests); with the plugin, compression time as

@@ -1,4 +1,4 @@
-"""Where a server's scheduler spends its time, by phase (issue 19), from a py-spy sample.
+"""Where a server's scheduler spends its time, by phase, from a py-spy sample.
 
 ``record(server, seconds)`` starts ``py-spy record`` on the server's scheduler process (the child
 named ``sglang::scheduler``) in raw (collapsed-stack) form; ``phases(path)`` reads the file and

@@ -1,4 +1,4 @@
-"""Every method at ``--tp-size 2`` against ``--tp-size 1`` on the bundled trained model (issue 15).
+"""Every method at ``--tp-size 2`` against ``--tp-size 1`` on the bundled trained model.
 
     python -m benchmarks.tp_agreement [--methods all] [--images 4] [--turns 2] [--out PATH]
 

@@ -1,4 +1,4 @@
-"""Where the scheduler spends ``perf.py --parts workload-large``'s run, by phase (issue 16).
+"""Where the scheduler spends ``perf.py --parts workload-large``'s run, by phase.
 
 Runs the multi-turn workload (``perf_workload.workload``'s draw: 24 images, Zipf 1.1, 8 clients,
 3 turns, 16 output tokens, a pool of 6 uncompressed prompts) on one server, the random hidden-512,

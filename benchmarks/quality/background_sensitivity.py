@@ -1,12 +1,12 @@
-"""Is the model's counting sensitive to dropped background? (issue 13, "Counting breaks").
+"""Is the model's counting sensitive to dropped background?
 
 Plain transformers, no SGLang. For each test image the prompt prefix (chat template up to the last
 image token) is prefilled once with full attention, as the server does before it compresses;
 then a set of background (empty-cell) visual tokens is removed from every layer's KV cache, and
 each question is prefilled and greedily decoded on what is left, at the positions it would have
 with the whole image (the server's M-RoPE delta keeps them the same). Dropped tokens are gone
-from the softmax, so the attention mass they held moves onto what is kept: the failure mode the
-issue saw on a held-out model (over-counting when background is evicted).
+from the softmax, so the attention mass they held moves onto what is kept: the failure mode
+seen on a held-out model (over-counting when background is evicted).
 
 Conditions (the dropped set is drawn once per image and condition, seeded, and shared by all its
 questions, like one compressed span):

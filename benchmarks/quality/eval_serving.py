@@ -1,4 +1,4 @@
-"""Quality through the real serving path: accuracy vs keep ratio for every method (issue 6).
+"""Quality through the real serving path: accuracy vs keep ratio for every method.
 
 Starts the SGLang server on the CPU with the plugin for each (method, keep ratio), sends the
 synthetic visual-QA test split through ``/v1/chat/completions`` at temperature 0, and scores exact
@@ -12,7 +12,7 @@ answers. Two settings (DESIGN.md §6):
 
 Images use the checkpoint's grid (``grid`` in ``<model>/training_args.json``, else 16; ``--grid``
 overrides). ``--task`` picks the question set (default: the checkpoint's ``task``, else ``vqa``,
-the bundled task): ``grid`` is issue 13's second task (``vqa_data``: positional and background
+the bundled task): ``grid`` is the second task (``vqa_data``: positional and background
 questions; each question of an image is about a different row, so the later questions of the
 reuse setting look at other regions than the one that compressed the image; its long setting
 asks "Which colours are in row R?").
@@ -226,7 +226,7 @@ def main() -> None:
                         help="cells per side of the test images (default: the checkpoint's "
                              "training_args.json grid, else 16)")
     parser.add_argument("--task", choices=TASKS, default=None,
-                        help="question set: vqa (the bundled task) or grid (issue 13's second "
+                        help="question set: vqa (the bundled task) or grid (the second "
                              "task); default: the checkpoint's training_args.json task, else vqa")
     parser.add_argument("--transformers-check", type=int, default=0, metavar="N",
                         help="before serving, score the first N scored items of each setting "

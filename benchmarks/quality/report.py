@@ -1,4 +1,4 @@
-"""Tables, plots and the issue 6 target checks from ``eval_serving.py`` results.
+"""Tables, plots and the target checks from ``eval_serving.py`` results.
 
 Reads one or several result files (lists of ``{method, keep_ratio, reuse: {accuracy, n, by_type},
 long: {...}}`` entries; later files override earlier ones per method, keep ratio and setting) and
@@ -6,7 +6,7 @@ writes, per setting (``reuse``, ``long``):
 
 - a markdown table, methods x keep ratios, accuracy in %, with the number of scored items;
 - a per-question-type table at keep 0.1 (with ``full`` and ``transformers`` for reference);
-- the target checks of issue 6 (met / not met, with the numbers);
+- the target checks (met / not met, with the numbers);
 - a PNG plot, accuracy vs keep ratio (log x), one line per method, ``full`` dashed and the
   transformers reference (``--transformers-check``) dotted.
 
@@ -32,7 +32,7 @@ SETTING_TITLES = {
     "reuse": "Reuse setting (questions 2..N reuse the cached compressed image)",
     "long": "Long-answer setting (first request, multi-token answers)",
 }
-# Issue 6 tolerances: the default method within this many points of full at 10% keep.
+# Target tolerances: the default method within this many points of full at 10% keep.
 FULL_TOLERANCE = {"reuse": 1.0, "long": 2.0}
 
 
@@ -242,7 +242,7 @@ def report(results: dict, default: str, margin: float) -> tuple[str, list[Settin
         types = s.type_table(0.1)
         parts.append("Per question type at 10% keep (%):\n\n"
                      + (types if types else "no results at 10% keep.") + "\n")
-        parts.append("Targets (issue 6):\n\n" + "\n".join(s.checks(default, margin)) + "\n")
+        parts.append("Targets:\n\n" + "\n".join(s.checks(default, margin)) + "\n")
     return "\n".join(parts), settings
 
 

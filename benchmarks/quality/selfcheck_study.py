@@ -1,4 +1,4 @@
-"""What the self-check predicts (issue 13): every statistic against harm to later answers.
+"""What the self-check predicts: every statistic against harm to later answers.
 
 Input: an ``eval_serving.py --selfcheck record --settings reuse`` result that holds method
 ``full`` and compressing methods. For each compressed image (one warming question, then 4 later

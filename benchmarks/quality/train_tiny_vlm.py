@@ -1,4 +1,4 @@
-"""Train a tiny Qwen2-VL from scratch on CPU on the synthetic visual-QA task (issue 6, DESIGN §6).
+"""Train a tiny Qwen2-VL from scratch on CPU on the synthetic visual-QA task (DESIGN §6).
 
 The model is the real ``Qwen2VLForConditionalGeneration`` architecture (so SGLang serves the
 checkpoint), trained with transformers on endless fresh items of the ``train`` split. Inputs come

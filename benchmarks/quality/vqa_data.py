@@ -1,4 +1,4 @@
-"""Deterministic synthetic visual-QA items (DESIGN.md §6, issue 6).
+"""Deterministic synthetic visual-QA items (DESIGN.md §6).
 
 An image is a ``grid`` x ``grid`` board of 28 x 28 px cells, so each cell is exactly one merged
 Qwen2-VL visual token (14 px patches, 2 x 2 merge): ``grid=16`` gives a 448 px image and 256
@@ -31,7 +31,7 @@ split names draw from independent streams.
     from benchmarks.quality.vqa_data import make_split
     test = make_split("test", n_images=100, questions_per_image=5, seed=0, grid=16)
 
-The second task, ``task="grid"`` (issue 13), asks about places instead of things, so the
+The second task, ``task="grid"``, asks about places instead of things, so the
 questions about one image look at different regions and some of them need the background:
 
 ============== ============================================== ===================
@@ -91,7 +91,7 @@ MULTI_OBJECT_QTYPES = ("count_all", "same_colour", "list_colours", "list_shapes"
                        "colours_present")
 LONG_ANSWER_QTYPES = ("list_colours", "list_shapes", "colours_present")
 
-# The grid task (issue 13; module doc): positional and background questions.
+# The grid task (module doc): positional and background questions.
 TASKS = ("vqa", "grid")
 GRID_QTYPES = ("cell_colour", "cell_shape", "count_row", "empty_row", "row_colours")
 GRID_CELL_QTYPES = ("cell_colour", "cell_shape")

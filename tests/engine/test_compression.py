@@ -105,10 +105,9 @@ def test_batched_workload_compresses_every_image_and_leaks_nothing(compressing):
 
 
 def test_the_overlap_scheduler_stays_on(compressing):
-    """``--unicache`` keeps SGLang's overlap scheduler (issue 19); a compressing prefill's result
+    """``--unicache`` keeps SGLang's overlap scheduler; a compressing prefill's result
     is processed before the next batch is built. The workloads above ran on it, and the
-    fixture's integrity check (it failed with "slot(s) both free and in the tree" before the
-    drain) holds after them."""
+    fixture's integrity check (no slot both free and in the tree) holds after them."""
     info = requests.get(f"{compressing.url}/server_info", timeout=30).json()
     assert info["disable_overlap_schedule"] is False
 

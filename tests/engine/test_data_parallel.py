@@ -1,4 +1,4 @@
-"""``--unicache --dp-size 2`` on CPU (issue 15): each image is compressed once, on one replica,
+"""``--unicache --dp-size 2`` on CPU: each image is compressed once, on one replica,
 and every later question about it goes there and reuses the span; each replica's stats name it,
 and /metrics sums the replicas."""
 

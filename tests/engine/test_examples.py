@@ -21,7 +21,7 @@ def test_sgl_multiturn_reuses_the_image(compressing, tmp_path):
 def test_agent_loop_compresses_every_screenshot_once_and_reuses_the_earlier_ones(
         compressing, tmp_path):
     """Six steps, a new screenshot each: each is compressed exactly once, held as K slots once,
-    and every later step reuses all earlier ones (defect 1 of issue 14: only the first was)."""
+    and every later step reuses all earlier ones, not only the first."""
     flush_cache(compressing)
     paths = []
     for i in range(6):

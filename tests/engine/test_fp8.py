@@ -1,4 +1,4 @@
-"""``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2`` with ``--unicache`` (issue 16): the policy scores
+"""``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2`` with ``--unicache``: the policy scores
 the dequantized pool, writes entries back in the pool's dtype, and the self-check is not tripped
 by quantization (an evicted span holds exactly the values the pool held)."""
 

@@ -1,4 +1,4 @@
-"""HiCache with compressed spans (issue 16): ``--enable-hierarchical-cache`` on the CPU platform,
+"""HiCache with compressed spans: ``--enable-hierarchical-cache`` on the CPU platform,
 stock and with ``--unicache``. A device pool too small for the stream demotes compressed spans
 to host memory; a later question about an early image loads its span back (not recomputed),
 answers exactly as a device hit does, and every slot and span stays accounted for."""

@@ -1,4 +1,4 @@
-"""Prompt logprobs with compressed images (issue 14 defects 3 and 3b): the scheduler used to die.
+"""Prompt logprobs with compressed images: the scheduler must not die.
 
 Prompt logprobs are computed in the prefill, before compaction, over the prompt the user sent; a
 request that asks for them from a position at or before an image's end is served on full KV
@@ -54,8 +54,7 @@ def test_fresh_image_with_prompt_logprobs_is_not_compacted(compressing, prompt_o
 
 
 def test_a_prompt_that_ends_in_a_reused_image(compressing, stock, prompt_of):
-    """SGLang caps the match one token short of the prompt; a span past the cap is not rewritten.
-    (This passes on 8e1e280 as well: it guards the cap, it did not reproduce defect 3.)"""
+    """SGLang caps the match one token short of the prompt; a span past the cap is not rewritten."""
     flush_cache(compressing)
     png = solid_png((77, 1, 200))
     full = prompt_of("what colour is it?")

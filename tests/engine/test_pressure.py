@@ -1,5 +1,5 @@
 """A small pool under a stream of distinct images: cached compressed spans are re-compressed
-before they are evicted, stay reusable, and nothing leaks (issue 5, real engine on CPU)."""
+before they are evicted, stay reusable, and nothing leaks (real engine on CPU)."""
 
 from __future__ import annotations
 

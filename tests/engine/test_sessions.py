@@ -1,4 +1,4 @@
-"""SGLang sessions (``/open_session``, ``session_params``) with images (issue 14, defect 4).
+"""SGLang sessions (``/open_session``, ``session_params``) with images.
 
 A session builds the next turn from the previous turn's ids and multimodal inputs, which must
 stay the ones the user sent: session turns are served on their full KV (neither compressed nor

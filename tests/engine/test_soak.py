@@ -1,4 +1,4 @@
-"""A seeded, bounded soak of the real engine with a mixed workload (issue 14).
+"""A seeded, bounded soak of the real engine with a mixed workload.
 
 Concurrent clients send single- and multi-image prompts, multi-turn chats and agent loops that add
 a new image each turn, prompt logprobs from inside and outside image spans, streams cut short

@@ -1,4 +1,4 @@
-"""``--unicache --tp-size 2`` on CPU (issue 15): the two ranks hold one KV head each and agree on
+"""``--unicache --tp-size 2`` on CPU: the two ranks hold one KV head each and agree on
 every plan, so the server answers what ``--tp-size 1`` answers, compresses the same images to the
 same sizes, and its ranks never differ (the agreement check, reported by ``check_integrity``).
 

@@ -1,6 +1,6 @@
-"""Two defects a cross-check against kvpress found (issue 17): accumulated attention of the wrong
-shape planned silently, and SnapKV/PyramidKV dropped their own observation window when an image
-sat at the end of the prompt."""
+"""Two input checks: accumulated attention of the wrong shape is refused, not planned silently,
+and SnapKV/PyramidKV keep their own observation window when an image sits at the end of the
+prompt."""
 
 from __future__ import annotations
 

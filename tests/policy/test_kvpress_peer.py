@@ -1,4 +1,4 @@
-"""Peer check against kvpress 0.5.5 (NVIDIA/kvpress) on identical tensors (issue 17): our key-norm,
+"""Peer check against kvpress 0.5.5 (NVIDIA/kvpress) on identical tensors: our key-norm,
 StreamingLLM, un-pooled SnapKV and H2O (given kvpress's normalised attention sum) keep exactly the
 tokens kvpress keeps, per KV head, at the same K; our PyramidKV gives every layer the budget of the
 original PyramidKV formula (which kvpress transcribes) within one token.

@@ -162,7 +162,7 @@ def test_failed_selfcheck_escalates_the_budget_before_falling_back() -> None:
 
 
 def test_an_escalation_reuses_what_does_not_depend_on_the_plan(monkeypatch) -> None:
-    """Issue 19: each re-plan at a doubled K recomputes only what K changes. The self-check's
+    """Each re-plan at a doubled K recomputes only what K changes. The self-check's
     attention over the whole request (two passes per checked layer) and the merge's unit K/V
     are computed once per request, however many times the check escalates."""
     from sglang_unicache.policy.checks import selfcheck
@@ -365,7 +365,7 @@ def _content_inputs(objects: int) -> ScoreInputs:
 
 
 def test_content_check_guards_what_later_questions_need() -> None:
-    """Issue 13: the question-free half of the check. An image whose content sits on a few tokens
+    """The question-free half of the check. An image whose content sits on a few tokens
     loses little of it at keep 0.1 and passes; an image whose content is spread over every token
     loses most of it whatever the question attends to: the check escalates to the cap and keeps
     the full KV, though the query half (the KL of the question that compressed it) passes."""

@@ -1,4 +1,4 @@
-"""Tensor parallelism in the policy layer (issue 15): two ranks, each holding half of the KV heads
+"""Tensor parallelism in the policy layer: two ranks, each holding half of the KV heads
 and their query groups, joined by ``HeadShards``, plan exactly what one rank holding every head
 plans. Same keep ratio, escalations, fallback and self-check value, same K per span and layer, and
 each rank keeps, for its heads, the tokens the single rank keeps for them.

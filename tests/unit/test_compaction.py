@@ -115,7 +115,7 @@ def test_a_failure_after_the_first_write_leaves_nothing_changed():
 
 
 def test_the_prompt_kv_is_read_one_layer_at_a_time(monkeypatch):
-    """Defect 8c: compression copied the whole prompt's K/V for every layer at once (2 GB for a
+    """Compression must not copy the whole prompt's K/V for every layer at once (2 GB for a
     32k-token prompt on a 7B model, outside the pool budget). The default method, self-check
     on, over 8 layers: at no point are more than two layers' copies alive."""
     controller, req, *_ = setup(torch.tensor([LENGTH]), layers=8,
@@ -145,7 +145,7 @@ def test_the_prompt_kv_is_read_one_layer_at_a_time(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16])
 def test_a_quantized_or_half_pool_is_compressed_in_its_dtype(dtype):
-    """``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2`` (issue 16): the policy scores dequantized
+    """``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``: the policy scores dequantized
     values and the compressed entries are written back in the pool's dtype, exactly the entries
     the pool held (eviction moves stored values, it never re-quantizes them)."""
     controller, req, pool, allocator, _ = setup(

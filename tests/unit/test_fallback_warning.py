@@ -1,4 +1,4 @@
-"""A server whose self-check keeps most images at full KV says so, once per window (issue 13)."""
+"""A server whose self-check keeps most images at full KV says so, once per window."""
 
 from __future__ import annotations
 

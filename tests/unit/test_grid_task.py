@@ -1,4 +1,4 @@
-"""The second synthetic task (issue 13, ``task="grid"``): answers true to the scene, questions of
+"""The second synthetic task (``task="grid"``): answers true to the scene, questions of
 one image on disjoint regions, coordinates in the background, and the default task untouched."""
 
 from __future__ import annotations

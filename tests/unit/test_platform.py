@@ -71,8 +71,8 @@ def test_threads_bind_splits_the_cpus_between_ranks():
 
 
 def test_more_ranks_than_numa_nodes_get_a_binding(env):
-    """DP = 2 on a one-node CPU host used to stop at startup ("SGLANG_CPU_OMP_THREADS_BIND is not
-    set ..."); the platform sets it unless the user did (issue 15)."""
+    """SGLang at DP = 2 on a one-node CPU host stops at startup without a thread binding
+    ("SGLANG_CPU_OMP_THREADS_BIND is not set ..."); the platform sets it unless the user did."""
     import pkgutil
     from types import SimpleNamespace
 

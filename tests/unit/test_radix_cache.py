@@ -165,7 +165,7 @@ def test_recompression_frees_through_the_plugins_one_free_path(cache):
 def test_alignment_protected_entries_are_shrunk_last_not_a_floor(cache):
     """A span whose every entry is alignment-protected (a uniform budget fills the smallest layer
     with them) is halved under pressure like any other: protection ranks entries, it does not
-    freeze the span. As a floor it made re-compression evict such spans whole (session 13)."""
+    freeze the span. As a floor it would make re-compression evict such spans whole."""
     allocator = cache.token_to_kv_pool_allocator
     baseline = allocator.available_size()
     meta, _ = make_span(cache)
@@ -185,8 +185,8 @@ def test_alignment_protected_entries_are_shrunk_last_not_a_floor(cache):
 
 
 def test_recompression_onto_a_sibling_with_the_same_key_evicts_instead(cache):
-    """Issue 14 defect 2: shrinking a span to the K of a same-image sibling re-keyed the node
-    over the sibling, and the next eviction raised KeyError (the scheduler died)."""
+    """Shrinking a span to the K of a same-image sibling would re-key the node over the
+    sibling, and the next eviction would raise KeyError (the scheduler would die)."""
     allocator = cache.token_to_kv_pool_allocator
     baseline = allocator.available_size()
     meta, _ = make_span(cache)  # K = 8 under PREFIX, the least recently used leaf

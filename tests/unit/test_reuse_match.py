@@ -1,4 +1,4 @@
-"""Reuse matching of waiting requests (issue 14, defect 8b): a request waits many rounds and is
+"""Reuse matching of waiting requests: a request waits many rounds and is
 matched every round; which compressed spans to rewrite it to is decided again only when the
 spans the tree holds changed."""
 
@@ -77,10 +77,10 @@ def test_a_change_of_the_spans_is_decided_again():
 
 
 def test_a_prompt_ending_in_a_cached_image_does_not_split_the_span(cache):  # noqa: F811
-    """Defect 3: SGLang matches at most the prompt's length - 1 tokens of the ids it is given.
-    A prompt that ends in a cached image, rewritten to the span's K ids, was matched one id
-    short of the span's end: the radix tree split the node inside the span and
-    ``SplitInsideSpanError`` escaped from the scheduler's match. A span past the cap is not
+    """SGLang matches at most the prompt's length - 1 tokens of the ids it is given.
+    A prompt that ends in a cached image, rewritten to the span's K ids, would be matched one
+    id short of the span's end: the radix tree would split the node inside the span and
+    ``SplitInsideSpanError`` would escape from the scheduler's match. A span past the cap is not
     rewritten; the request matches its text prefix on its own ids."""
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey

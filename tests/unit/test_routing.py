@@ -1,4 +1,4 @@
-"""Data-parallel routing by image (issue 15): an image stays on one replica, tenants apart, and a
+"""Data-parallel routing by image: an image stays on one replica, tenants apart, and a
 hot image cannot pile every request onto one replica."""
 
 from __future__ import annotations

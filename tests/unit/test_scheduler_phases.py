@@ -1,4 +1,4 @@
-"""The scheduler profile of perf.py's streaming part (issue 19) splits py-spy samples by phase."""
+"""The scheduler profile of perf.py's streaming part splits py-spy samples by phase."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ a batch of ``k`` images of ``n`` patches pays ``(k n)^2`` instead of ``k n^2``, 
 kept in an ``lru_cache`` of 128 (256 MiB for four 1,024-token images: 16,384 patches). On the
 2-core CPU, four such images in one call took 4.5 s per layer against 0.1 s one image at a
 time, and one image alone 0.33 s against 0.03 s (``benchmarks/bench_vision_attention.py``,
-``BENCHMARKS.md``, "CPU vision attention"). Which images share a call depends on which requests arrive together,
-so a serving run's encoder time depended on its timing.
+``BENCHMARKS.md``, "CPU vision attention"). Which images share a call depends on which requests
+arrive together, so a serving run's encoder time would depend on its timing.
 
 ``install`` replaces ``VisionSdpaAttention.forward`` with ``forward_by_segment``: where the mask
 would be the block-diagonal one of ``cu_seqlens`` and its segments cover the sequence, it runs

@@ -18,8 +18,9 @@ Budget (departure from §4.3): every layer keeps K = round(keep * N) entries. Th
 curve (shallow layers compress more) is ``budget: unicache``; in SGLang's pool a slot spans every
 layer (``docs/policy.md``, "Honest memory accounting"), so the curve holds ``max_l K_l`` slots (8
 instead of 6 of a 64-token image at keep 0.1) and the entries it takes from shallow layers free no
-memory. Measured as shipped on the trained model (BENCHMARKS.md, "Defaults as shipped"): the same answers with 7.4 slots per image instead of 8, the self-check escalating the images
-6 slots do not keep; 40 images resident in a full pool instead of 33. At the same keep ratio with
+memory. Measured as shipped on the trained model (BENCHMARKS.md, "Defaults as shipped"): the
+same answers with 7.4 slots per image instead of 8, the self-check escalating the images 6 slots
+do not keep; 40 images resident in a full pool instead of 33. At the same keep ratio with
 the self-check off it holds fewer slots than the curve and loses where that matters (keep 0.05).
 
 Query robustness (ours, not in the seed; ``docs/method.md``): a span compressed after question 1 is
