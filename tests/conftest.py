@@ -1,9 +1,9 @@
 """Shared fixtures: the tiny checkpoint, one CPU server per configuration, one offline Engine.
 
-Servers are session-scoped (a start costs ~20-30 s here), bound to 127.0.0.1 on a free port
+Servers are session-scoped (a start costs ~40 s here), bound to 127.0.0.1 on a free port
 (retried on another if it was taken meanwhile), and stopped by PID. Their logs stay in
 ``runs/test-logs/`` (override with UNICACHE_TEST_LOGS); UNICACHE_SERVER_START_TIMEOUT bounds a
-start (default 300 s) and UNICACHE_TEST_MAX_SERVERS how many run at once (default 3).
+start (default 300 s) and UNICACHE_TEST_MAX_SERVERS how many schedulers run at once (default 4).
 """
 
 from __future__ import annotations
@@ -42,30 +42,57 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_qwen2_vl(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl")
 
 
-# Each server costs ~2.4 GB of RAM (launcher, scheduler, detokenizer): 3 and the offline engine
-# leave ~14 GB of 24 free. UNICACHE_TEST_MAX_SERVERS lowers it on a smaller or busier machine.
-MAX_LIVE_SERVERS = int(os.environ.get("UNICACHE_TEST_MAX_SERVERS", "3"))
+# A server costs ~2.7 GB of RAM (launcher, scheduler, detokenizer: their PSS), one more scheduler
+# per extra data- or tensor-parallel rank: four units, the offline engine and pytest leave ~10 GB
+# of 24 free. UNICACHE_TEST_MAX_SERVERS lowers it on a smaller or busier machine.
+MAX_LIVE_SERVERS = int(os.environ.get("UNICACHE_TEST_MAX_SERVERS", "4"))
+# Flags that change no token and no slot: every test server has them, so two configurations that
+# differ only by them are one server (a start costs ~40 s here).
+ALWAYS = ("--enable-cache-report", "--enable-metrics")
+
+
+def server_units(args: tuple[str, ...]) -> int:
+    """Schedulers a server runs (``--dp-size`` x ``--tp-size``): what its RAM scales with."""
+    units = 1
+    for flag in ("--dp-size", "--tp-size"):
+        if flag in args:
+            units *= int(args[args.index(flag) + 1])
+    return units
 
 
 @pytest.fixture(scope="session")
 def server_factory(tiny_model):
     """A server for a list of flags, shared by every test that asks for the same flags.
 
-    At most ``MAX_LIVE_SERVERS`` run at once: starting another stops the least recently used
-    (a later test that needs it again starts it anew).
+    ``ALWAYS`` is added to every list. Servers run until their units would pass
+    ``MAX_LIVE_SERVERS``; starting another stops the least recently used one first, except those
+    asked for with ``keep=True`` (the servers most tests share: stopping them between test files
+    cost a start each time). Tests that start servers of their own make room first
+    (``server_factory.make_room(units)``).
     """
     from tests.support.server import start_server
 
     servers: OrderedDict = OrderedDict()
+    kept: set = set()
 
-    def get(*args: str, env: dict[str, str] | None = None):
+    def make_room(units: int) -> None:
+        """Stop the least recently used servers not kept until ``units`` more fit (a test that
+        starts servers of its own calls it first, through ``server_factory.make_room``)."""
+        for old in [k for k in servers if k not in kept]:
+            if sum(server_units(k[0]) for k in servers) + units <= MAX_LIVE_SERVERS:
+                break
+            servers.pop(old).stop()
+
+    def get(*args: str, env: dict[str, str] | None = None, keep: bool = False):
+        args = (*(a for a in args if a not in ALWAYS), *ALWAYS)
         key = (tuple(args), tuple(sorted((env or {}).items())))
+        if keep:
+            kept.add(key)
         if key in servers:
             servers.move_to_end(key)
             return servers[key]
-        while len(servers) >= MAX_LIVE_SERVERS:
-            servers.popitem(last=False)[1].stop()
-        flags = "_".join(Path(a).name if "/" in a else a.lstrip("-") for a in args)
+        make_room(server_units(args))
+        flags = "_".join(Path(a).name if "/" in a else a.lstrip("-") for a in args[:-len(ALWAYS)])
         name = "server-" + (flags or "stock")[:90]
         if env:
             name += "_" + "_".join(f"{k}={v}" for k, v in sorted(env.items()))
@@ -74,6 +101,7 @@ def server_factory(tiny_model):
         servers[key] = start_server(tiny_model, list(args), LOG_DIR / f"{name}.log", env=env)
         return servers[key]
 
+    get.make_room = make_room
     yield get
     for server in servers.values():
         server.stop()
@@ -119,7 +147,7 @@ def nocheck_config(tmp_path_factory) -> str:
 
 @pytest.fixture
 def stock(server_factory):
-    return server_factory("--enable-cache-report")
+    return server_factory(keep=True)
 
 
 @pytest.fixture
@@ -127,8 +155,7 @@ def compressing(server_factory, nocheck_config):
     """key-norm at 25%: query-independent, so the spans it compresses are shared. The plugin's
     integrity check must hold after every test."""
     server = server_factory("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio",
-                            str(KEEP), "--unicache-config", nocheck_config,
-                            "--enable-cache-report")
+                            str(KEEP), "--unicache-config", nocheck_config, keep=True)
     yield server
     assert_integrity(server)
 

@@ -13,7 +13,8 @@ from tests.support.server import cpu_env
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_demo_reports_savings_and_reuse(tmp_path):
+def test_demo_reports_savings_and_reuse(tmp_path, server_factory):
+    server_factory.make_room(2)  # the demo's servers
     proc = subprocess.run(
         [sys.executable, "-m", "examples.demo", "--images", "2", "--turns", "2",
          "--log-dir", str(tmp_path)],

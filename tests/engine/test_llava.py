@@ -30,10 +30,11 @@ def llava_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llava_server(llava_model, nocheck_config):
+def llava_server(llava_model, nocheck_config, server_factory):
     from tests.conftest import LOG_DIR
     from tests.support.server import start_server
 
+    server_factory.make_room(1)
     server = start_server(llava_model, [
         "--unicache", "--unicache-method", "random", "--unicache-keep-ratio", str(KEEP),
         "--unicache-config", nocheck_config, "--dtype", "float32", "--enable-cache-report"],

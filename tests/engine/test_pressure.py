@@ -28,6 +28,11 @@ def stats(server) -> dict:
     return internal_state(server)["unicache"]
 
 
+def test_user_pool_size_wins_over_the_platform_cap(small_pool):
+    info = requests.get(f"{small_pool.url}/server_info", timeout=10).json()
+    assert info["max_total_num_tokens"] == POOL
+
+
 def test_pressure_recompresses_the_oldest_span_which_stays_reusable(small_pool):
     flush_cache(small_pool)
     baseline = available_slots(small_pool)

@@ -23,7 +23,8 @@ QUESTIONS = ("what colour is it?", "describe the picture", "what shape is it?")
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model, nocheck_config, tmp_path_factory):
+def cluster(tiny_model, nocheck_config, tmp_path_factory, server_factory):
+    server_factory.make_room(2)  # the two workers
     logs = tmp_path_factory.mktemp("router")
     flags = ["--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio", "0.25",
              "--unicache-config", nocheck_config, "--enable-cache-report"]

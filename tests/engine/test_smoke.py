@@ -36,12 +36,6 @@ def test_platform_caps_the_kv_pool(unicache_server):
     assert info["max_total_num_tokens"] == 32768
 
 
-def test_user_pool_size_wins_over_the_platform_cap(server_factory):
-    server = server_factory("--max-total-tokens", "5000")
-    info = requests.get(f"{server.url}/server_info", timeout=10).json()
-    assert info["max_total_num_tokens"] == 5000
-
-
 def test_offline_engine_with_image_data(engine, tiny_model, tmp_path):
     from transformers import AutoTokenizer
 
