@@ -72,7 +72,8 @@ def waiting_request(i: int):
                            modality=SimpleNamespace(name="IMAGE"))
     return SimpleNamespace(
         rid=f"w{i}", origin_input_ids=ids, output_ids=[], return_logprob=False, session=None,
-        extra_key=None, cache_salt=None, is_retracted=False, prefix_len=0,
+        extra_key=None, cache_salt=None, is_retracted=False, retracted_stain=False, prefix_len=0,
+        host_hit_length=0,
         multimodal_inputs=SimpleNamespace(mm_items=[item], mrope_positions=None,
                                           mrope_position_delta=None),
         kv=SimpleNamespace(holds_kv=False))

@@ -26,8 +26,7 @@ def live_requests(scheduler) -> list:
     """Every request holding a row: running, waiting, the chunked one, and (overlap scheduler)
     those of a batch in flight, whose result is not processed yet: a request finishing there has
     left the running batch and still holds its row until the result frees it."""
-    in_flight = [req for batch, _ in getattr(scheduler, "result_queue", None) or ()
-                 for req in batch.reqs]
+    in_flight = [req for batch, _ in scheduler.result_queue for req in batch.reqs]
     reqs = {}
     for req in [*scheduler.running_batch.reqs, *scheduler.waiting_queue, *in_flight,
                 *([scheduler.chunked_req] if scheduler.chunked_req is not None else [])]:

@@ -44,7 +44,7 @@ class Reuse:
             match()
             return
         self.undo(req)
-        if not getattr(req, "retracted_stain", False):
+        if not req.retracted_stain:
             state.reused = 0  # SGLang counts cached_tokens at the first prefill only
         if not eligible:
             match()  # a retracted request is prefilled again from its own tokens
@@ -64,7 +64,7 @@ class Reuse:
             record = rewrite(req, candidates)
             match()
             # A span HiCache holds only in host memory counts: admission loads it back.
-            matched = req.prefix_len + getattr(req, "host_hit_length", 0)
+            matched = req.prefix_len + req.host_hit_length
             removed_before, covered = 0, []
             for span in candidates:
                 if matched < span.start - removed_before + len(span.ids):

@@ -80,7 +80,7 @@ class Targets:
             first = req.extend_end - extend_len
             self.stats.images_prefilled += sum(
                 first <= start < req.extend_end for start, _, _ in self.image_spans(req))
-        if not self.active or getattr(batch, "decoding_reqs", None):
+        if not self.active or batch.decoding_reqs:
             return None
         targets, spans_of = [], {}
         offset = 0

@@ -55,7 +55,7 @@ def setup(seq_lens, layers: int = LAYERS, config: UniCacheConfig | None = None, 
         skip_radix_cache_insert=False, extra_key=None,
         cache_salt=None, multimodal_inputs=SimpleNamespace(
             mm_items=[item], mrope_positions=None, mrope_position_delta=None),
-        is_retracted=False, prefix_len=0,
+        is_retracted=False, retracted_stain=False, prefix_len=0, host_hit_length=0,
         kv=SimpleNamespace(req_pool_idx=1, kv_committed_len=LENGTH, kv_allocated_len=LENGTH,
                            cache_protected_len=0, holds_kv=False))
     target = CaptureTarget("r", 0, range(LENGTH - 4, LENGTH), range(LENGTH - 4, LENGTH))

@@ -18,7 +18,7 @@ def scheduler_of(tree, reqs=()):
     return SimpleNamespace(token_to_kv_pool_allocator=tree.token_to_kv_pool_allocator,
                            req_to_token_pool=tree.req_to_token_pool,
                            tree_cache=tree, running_batch=SimpleNamespace(reqs=list(reqs)),
-                           waiting_queue=[], chunked_req=None)
+                           waiting_queue=[], chunked_req=None, result_queue=[])
 
 
 def request(row: int, length: int):

@@ -98,7 +98,7 @@ def test_a_prompt_ending_in_a_cached_image_does_not_split_the_span(cache):  # no
     req = SimpleNamespace(
         rid="r", origin_input_ids=ids, output_ids=[], return_logprob=False, session=None,
         beam_group=None, skip_radix_cache_insert=False, extra_key=None, cache_salt=None,
-        is_retracted=False, prefix_len=0,
+        is_retracted=False, retracted_stain=False, prefix_len=0, host_hit_length=0,
         multimodal_inputs=SimpleNamespace(mm_items=[item], mrope_positions=None,
                                           mrope_position_delta=None),
         kv=SimpleNamespace(holds_kv=False))
