@@ -6,13 +6,13 @@ Run it from the repository root (``make demo`` does): it uses the server harness
 ``tests/support`` and the visual-QA task of ``benchmarks/quality``, which the wheel does not ship.
 
 It starts the real SGLang server on the ``unicache_cpu`` platform twice on the bundled checkpoint
-(a tiny Qwen2-VL trained on the synthetic visual-QA task, ``assets/checkpoints``): once without
-compression (``--unicache-method full``, token-identical to stock SGLang) and once with
-``--unicache``. Each runs the same conversations: one per image, the image in the first turn, a new
-question every turn, the whole history re-sent each time (as chat clients do), so turns 2..N reuse
-the cached image. The compressing server runs the shipped defaults (the self-check and its
-escalation included, no config file). It prints the answers, whether they are right, what the cache
-held, and how many images were compressed, escalated or kept at full KV, and why.
+(a tiny Qwen2-VL trained on the synthetic visual-QA task, ``assets/checkpoints``), side by side:
+once without compression (``--unicache-method full``, token-identical to stock SGLang) and once
+with ``--unicache``. Each runs the same conversations: one per image, the image in the first turn,
+a new question every turn, the whole history re-sent each time (as chat clients do), so turns
+2..N reuse the cached image. The compressing server runs the shipped defaults (the self-check and
+its escalation included, no config file). It prints the answers, whether they are right, what the
+cache held, and how many images were compressed, escalated or kept at full KV, and why.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import argparse
 import io
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import requests
@@ -144,11 +145,15 @@ def main() -> None:
     chats = conversations(args.images, args.turns, grid)
     common = ["--enable-cache-report", *args.server_args]
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    full = serve(args.model, ["--unicache", "--unicache-method", "full", *common],
-                 args.log_dir / "demo-full.log", chats, "without compression")
-    compressed = serve(args.model, ["--unicache", "--unicache-method", args.method,
-                                    "--unicache-keep-ratio", args.keep_ratio, *common],
-                       args.log_dir / "demo-unicache.log", chats, "with --unicache")
+    # Both servers at once: each start is mostly one core's imports.
+    with ThreadPoolExecutor(2) as pool:
+        full = pool.submit(serve, args.model, ["--unicache", "--unicache-method", "full", *common],
+                           args.log_dir / "demo-full.log", chats, "without compression")
+        compressed = pool.submit(serve, args.model,
+                                 ["--unicache", "--unicache-method", args.method,
+                                  "--unicache-keep-ratio", args.keep_ratio, *common],
+                                 args.log_dir / "demo-unicache.log", chats, "with --unicache")
+        full, compressed = full.result(), compressed.result()
     report(full, compressed, args.keep_ratio, grid * grid)
 
 

@@ -3,7 +3,7 @@
 Servers are session-scoped (a start costs ~40 s here), bound to 127.0.0.1 on a free port
 (retried on another if it was taken meanwhile), and stopped by PID. Their logs stay in
 ``runs/test-logs/`` (override with UNICACHE_TEST_LOGS); UNICACHE_SERVER_START_TIMEOUT bounds a
-start (default 300 s) and UNICACHE_TEST_MAX_SERVERS how many schedulers run at once (default 4).
+start (default 300 s) and UNICACHE_TEST_MAX_SERVERS how many schedulers run at once (default 5).
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 # A server costs ~2.7 GB of RAM (launcher, scheduler, detokenizer: their PSS), one more scheduler
-# per extra data- or tensor-parallel rank: four units, the offline engine and pytest leave ~10 GB
+# per extra data- or tensor-parallel rank: five units, the offline engine and pytest leave ~6 GB
 # of 24 free. UNICACHE_TEST_MAX_SERVERS lowers it on a smaller or busier machine.
-MAX_LIVE_SERVERS = int(os.environ.get("UNICACHE_TEST_MAX_SERVERS", "4"))
+MAX_LIVE_SERVERS = int(os.environ.get("UNICACHE_TEST_MAX_SERVERS", "5"))
 # Flags that change no token and no slot: every test server has them, so two configurations that
 # differ only by them are one server (a start costs ~40 s here).
 ALWAYS = ("--enable-cache-report", "--enable-metrics")
@@ -148,6 +148,12 @@ def nocheck_config(tmp_path_factory) -> str:
 @pytest.fixture
 def stock(server_factory):
     return server_factory(keep=True)
+
+
+@pytest.fixture
+def identity(server_factory):
+    """``--unicache`` at keep 1.0: it must answer token for token as stock."""
+    return server_factory("--unicache", "--unicache-keep-ratio", "1.0", keep=True)
 
 
 @pytest.fixture

@@ -51,23 +51,6 @@ def test_each_image_is_compressed_once_and_reused_on_its_replica(server_factory,
     assert gauge == [held], "the gauge is the sum over the replicas"
 
 
-def test_dp_routing_false_gives_sglang_its_routing_back(server_factory, tmp_path_factory) -> None:
-    """Round robin again: with an odd number of images each image's next question goes to the
-    other replica, which encodes and compresses it a second time."""
-    config = tmp_path_factory.mktemp("cfg") / "round_robin.yaml"
-    config.write_text("selfcheck: false\ndp_routing: false\n")
-    server = server_factory("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio",
-                            "0.25", "--unicache-config", str(config), "--dp-size", "2")
-    flush_cache(server)
-    before = sum(s["images_compressed"] for s in replicas(server))
-    for question in ("what colour is it?", "describe the picture"):
-        for colour in COLOURS:
-            chat(server, image_chat(solid_png(colour), question, max_tokens=2))
-    after = replicas(server)
-    assert sum(s["images_compressed"] for s in after) - before == 2 * len(COLOURS)
-    assert all(state["integrity"] == [] for state in after)
-
-
 def test_an_idle_dp_controller_sleeps(server_factory, nocheck_config) -> None:
     """SGLang's data-parallel controller polls its socket without blocking; on a 2-core host an
     idle ``--dp-size 2`` server took a whole core (and a test run with two of them alive timed
@@ -88,3 +71,20 @@ def test_an_idle_dp_controller_sleeps(server_factory, nocheck_config) -> None:
     time.sleep(5)
     busy = sum(controllers[0].cpu_times()[:2]) - before
     assert busy < 1.0, f"the idle controller used {busy:.1f} s of CPU in 5 s"
+
+
+def test_dp_routing_false_gives_sglang_its_routing_back(server_factory, tmp_path_factory) -> None:
+    """Round robin again: with an odd number of images each image's next question goes to the
+    other replica, which encodes and compresses it a second time."""
+    config = tmp_path_factory.mktemp("cfg") / "round_robin.yaml"
+    config.write_text("selfcheck: false\ndp_routing: false\n")
+    server = server_factory("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio",
+                            "0.25", "--unicache-config", str(config), "--dp-size", "2")
+    flush_cache(server)
+    before = sum(s["images_compressed"] for s in replicas(server))
+    for question in ("what colour is it?", "describe the picture"):
+        for colour in COLOURS:
+            chat(server, image_chat(solid_png(colour), question, max_tokens=2))
+    after = replicas(server)
+    assert sum(s["images_compressed"] for s in after) - before == 2 * len(COLOURS)
+    assert all(state["integrity"] == [] for state in after)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -30,8 +31,12 @@ def cluster(tiny_model, nocheck_config, tmp_path_factory, server_factory):
              "--unicache-config", nocheck_config, "--enable-cache-report"]
     workers = []
     try:
-        for i in range(2):
-            workers.append(start_server(tiny_model, flags, logs / f"worker{i}.log"))
+        with ThreadPoolExecutor(2) as pool:  # both starts at once: each is mostly imports
+            starting = [pool.submit(start_server, tiny_model, flags, logs / f"worker{i}.log")
+                        for i in range(2)]
+        workers += [future.result() for future in starting if future.exception() is None]
+        for future in starting:
+            future.result()  # a failed start raises here; the finally stops the started one
 
         def command(port: int) -> list[str]:
             return [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",

@@ -143,10 +143,9 @@ def test_mixed_workload_soak(server_factory, nocheck_config):
     assert available_slots(server) == baseline
 
 
-def test_the_soak_at_keep_1_is_token_identical_to_stock(server_factory, stock):
+def test_the_soak_at_keep_1_is_token_identical_to_stock(identity, stock):
     """The same seeded jobs (the greedy ones, one at a time) through the plugin at keep 1.0 and
     through stock SGLang give the same tokens."""
-    identity = server_factory("--unicache", "--unicache-keep-ratio", "1.0", "--enable-cache-report")
     jobs = [(seed, kind) for seed, kind in jobs_of(SEED, REQUESTS // 3) if kind in DETERMINISTIC]
     flush_cache(identity)
     flush_cache(stock)

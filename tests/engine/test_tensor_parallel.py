@@ -15,6 +15,7 @@ fails does, and the server goes on answering and compressing the same as one ran
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,7 @@ GRID = 8
 
 @pytest.mark.parametrize("case", CASES)
 def test_two_ranks_answer_and_compress_as_one(case: str, server_factory, tmp_path) -> None:
-    server_factory.make_room(2)  # the two-rank server's schedulers
+    server_factory.make_room(3)  # the single-rank server and the two-rank one's schedulers
     chats = conversations(4, 2, GRID)
     flags = list(CASES[case])
     faulty = "trips" not in case
@@ -50,10 +51,12 @@ def test_two_ranks_answer_and_compress_as_one(case: str, server_factory, tmp_pat
         config = tmp_path / "tripping.yaml"
         config.write_text(TRIPPING.format(threshold=THRESHOLD))
         flags += ["--unicache-config", str(config)]
-    one, stats1 = serve_chats(flags, tmp_path / "tp1.log", chats,
-                              env=fail_on(0) if faulty else None)
-    two, stats2 = serve_chats([*flags, "--tp-size", "2"], tmp_path / "tp2.log", chats,
-                              env=fail_on(1) if faulty else None)
+    with ThreadPoolExecutor(2) as pool:  # both servers at once: each start is mostly imports
+        single = pool.submit(serve_chats, flags, tmp_path / "tp1.log", chats,
+                             env=fail_on(0) if faulty else None)
+        double = pool.submit(serve_chats, [*flags, "--tp-size", "2"], tmp_path / "tp2.log",
+                             chats, env=fail_on(1) if faulty else None)
+        (one, stats1), (two, stats2) = single.result(), double.result()
     assert two == one
     for key in ("images_compressed", "escalations", "fallbacks", "compressed_slots_held",
                 "spans_reused", "errors"):
