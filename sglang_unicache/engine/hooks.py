@@ -2,7 +2,7 @@
 
 ``@hook(target, kind)`` records (target, function, ``HookType`` name) in ``HOOKS``;
 ``plugin.register`` checks that every target resolves and registers them all. The process's state
-(the scheduler's controller, the scheduler, the capture of the forward in flight) lives in one
+(the scheduler's controller, the capture of the forward in flight, the overlap drain) lives in one
 object, ``STATE``, set by the scheduler hook: in every other process it stays empty and every hook
 passes through.
 """
@@ -56,7 +56,6 @@ class PluginState:
     controller; ``capture`` is set only while an extend batch with targets runs."""
 
     controller: Controller | None = None
-    scheduler: Any = None
     capture: QueryCapture | None = None
     overlap: OverlapDrain = field(default_factory=OverlapDrain)  # the overlap scheduler's order
 
@@ -108,7 +107,7 @@ def make_engine_server_args(**kwargs: Any) -> Any:
 def after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     controller = startup.scheduler_controller(scheduler)
     if controller is not None:
-        STATE.controller, STATE.scheduler = controller, scheduler
+        STATE.controller = controller
     return result
 
 
