@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,8 @@ def server_factory(tiny_model):
     ``MAX_LIVE_SERVERS``; starting another stops the least recently used one first, except those
     asked for with ``keep=True`` (the servers most tests share: stopping them between test files
     cost a start each time). Tests that start servers of their own make room first
-    (``server_factory.make_room(units)``).
+    (``server_factory.make_room(units)``); ``server_factory.prefetch(flags, ...)`` starts the
+    servers a test file needs next side by side.
     """
     from tests.support.server import start_server
 
@@ -83,25 +85,48 @@ def server_factory(tiny_model):
                 break
             servers.pop(old).stop()
 
-    def get(*args: str, env: dict[str, str] | None = None, keep: bool = False):
+    def key_of(args: tuple[str, ...], env: dict[str, str] | None) -> tuple:
         args = (*(a for a in args if a not in ALWAYS), *ALWAYS)
-        key = (tuple(args), tuple(sorted((env or {}).items())))
-        if keep:
-            kept.add(key)
-        if key in servers:
-            servers.move_to_end(key)
-            return servers[key]
-        make_room(server_units(args))
+        return (args, tuple(sorted((env or {}).items())))
+
+    def start(key: tuple):
+        args, env = key[0], dict(key[1]) or None
         flags = "_".join(Path(a).name if "/" in a else a.lstrip("-") for a in args[:-len(ALWAYS)])
         name = "server-" + (flags or "stock")[:90]
         if env:
             name += "_" + "_".join(f"{k}={v}" for k, v in sorted(env.items()))
         # Two servers whose flags share the first 90 characters must not share a log.
         name += "-" + hashlib.sha1(repr(key).encode()).hexdigest()[:8]
-        servers[key] = start_server(tiny_model, list(args), LOG_DIR / f"{name}.log", env=env)
+        return start_server(tiny_model, list(args), LOG_DIR / f"{name}.log", env=env)
+
+    def get(*args: str, env: dict[str, str] | None = None, keep: bool = False):
+        key = key_of(args, env)
+        if keep:
+            kept.add(key)
+        if key not in servers:
+            make_room(server_units(key[0]))
+            servers[key] = start(key)
+        servers.move_to_end(key)
         return servers[key]
 
+    def prefetch(*flag_lists: tuple[str, ...]) -> None:
+        """Start the servers of several flag lists side by side (each start is mostly one core's
+        imports), for the tests that ask for them next."""
+        missing = list(dict.fromkeys(k for k in (key_of(f, None) for f in flag_lists)
+                                     if k not in servers))
+        if len(missing) < 2:
+            return
+        make_room(sum(server_units(k[0]) for k in missing))
+        with ThreadPoolExecutor(len(missing)) as pool:
+            started = [(k, pool.submit(start, k)) for k in missing]
+        for k, future in started:
+            if future.exception() is None:
+                servers[k] = future.result()
+        for _, future in started:
+            future.result()  # a failed start raises here; the others are kept and stopped later
+
     get.make_room = make_room
+    get.prefetch = prefetch
     yield get
     for server in servers.values():
         server.stop()

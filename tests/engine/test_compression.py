@@ -171,11 +171,20 @@ def test_aborted_requests_leak_nothing(compressing):
     assert internal_state(compressing)["unicache"]["images_compressed"] > compressed
 
 
-def test_self_check_failure_falls_back_to_full_kv(server_factory, stock, tmp_path_factory):
+def chunked(nocheck_config: str) -> tuple[str, ...]:
+    """Chunked prefill in 32-token chunks: a 64-token image spans two."""
+    return ("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio", str(KEEP),
+            "--unicache-config", nocheck_config, "--chunked-prefill-size", "32")
+
+
+def test_self_check_failure_falls_back_to_full_kv(server_factory, stock, tmp_path_factory,
+                                                  nocheck_config):
     strict = tmp_path_factory.mktemp("cfg") / "strict.json"
     strict.write_text('{"selfcheck_threshold": 1e-12}')
-    server = server_factory("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio",
-                            "0.1", "--unicache-config", str(strict), "--enable-cache-report")
+    flags = ("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio", "0.1",
+             "--unicache-config", str(strict))
+    server_factory.prefetch(flags, chunked(nocheck_config))  # the next test's server too
+    server = server_factory(*flags)
     body = image_chat(solid_png((77, 99, 11)), "what colour is it?", max_tokens=10)
     assert answer(chat(server, body)) == answer(chat(stock, body))
     stats = internal_state(server)["unicache"]
@@ -187,9 +196,7 @@ def test_self_check_failure_falls_back_to_full_kv(server_factory, stock, tmp_pat
 
 
 def test_image_split_across_prefill_chunks_is_compressed(server_factory, nocheck_config):
-    server = server_factory("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio",
-                            str(KEEP), "--unicache-config", nocheck_config,
-                            "--chunked-prefill-size", "32", "--enable-cache-report")
+    server = server_factory(*chunked(nocheck_config))
     flush_cache(server)
     baseline = available_slots(server)
     before = internal_state(server)["unicache"]

@@ -32,7 +32,8 @@ def test_float8_adds_no_self_check_failures_of_its_own(server_factory):
     """The shipped defaults (self-check on) with and without an fp8 pool, the same image: the
     check reaches the same verdict at the same keep ratio and measures about the same KL
     (eviction keeps the stored values; only the pool's own rounding differs)."""
-    flags = ("--unicache", "--unicache-keep-ratio", "0.25", "--enable-cache-report")
+    flags = ("--unicache", "--unicache-keep-ratio", "0.25")
+    server_factory.prefetch(flags, (*flags, "--kv-cache-dtype", "fp8_e4m3"))
     checks = []
     for server in (server_factory(*flags), server_factory(*flags, "--kv-cache-dtype", "fp8_e4m3")):
         flush_cache(server)

@@ -32,19 +32,23 @@ def cached(out: dict) -> int:
     return out["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+def compressing_hicache(nocheck_config: str) -> tuple[str, ...]:
+    return ("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio", str(KEEP),
+            "--unicache-config", nocheck_config, *HICACHE)
+
+
 @pytest.fixture
 def hicache_unicache(server_factory, nocheck_config):
-    server = server_factory("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio",
-                            str(KEEP), "--unicache-config", nocheck_config,
-                            "--enable-cache-report", *HICACHE)
+    server = server_factory(*compressing_hicache(nocheck_config))
     yield server
     assert_integrity(server)
 
 
-def test_stock_hicache_runs_on_the_cpu_platform(server_factory):
+def test_stock_hicache_runs_on_the_cpu_platform(server_factory, nocheck_config):
     """The platform's host pool and transfers: stock SGLang keeps every image of a stream
     that overflows the device pool, and a later question hits it in host memory."""
-    server = server_factory("--enable-cache-report", *HICACHE)
+    server_factory.prefetch(tuple(HICACHE), compressing_hicache(nocheck_config))
+    server = server_factory(*HICACHE)
     outs = second_asks(server)
     assert all(cached(out) >= IMAGE_TOKENS for out in outs), [cached(o) for o in outs]
 
