@@ -207,7 +207,7 @@ def around_stream_accept(original: Any, accumulator: Any, *args: Any, req: Any,
     before = len(accumulator.prompt_tokens)
     result = original(accumulator, *args, req=req, **kwargs)
     if len(accumulator.prompt_tokens) > before:
-        state = getattr(req, request.ATTRIBUTE, None)
+        state = request.existing_state(req)
         if state is not None:
             accumulator.prompt_tokens[-1] += state.removed
             accumulator.cached_tokens[-1] += state.reused

@@ -9,7 +9,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from sglang_unicache.engine.stats import Stats
+from sglang_unicache.policy.catalog import from_config
 from sglang_unicache.policy.config import UniCacheConfig
+from sglang_unicache.policy.keep import KeepRatio
 
 logger = logging.getLogger("sglang_unicache")
 
@@ -56,4 +58,4 @@ class Outcomes:
                 "escalate_max_keep (docs/selfcheck.md)",
                 sum(self.full_kept), len(self.full_kept), cfg.selfcheck_statistic,
                 cfg.selfcheck_threshold, cfg.selfcheck_content_threshold,
-                max(cfg.escalate_max_keep, cfg.keep_ratio))
+                from_config(KeepRatio, cfg).highest)

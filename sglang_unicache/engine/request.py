@@ -48,9 +48,14 @@ def state_of(req) -> RequestState:
     return state
 
 
+def existing_state(req) -> RequestState | None:
+    """The request's state, None for a request the plugin never saw (nothing is made)."""
+    return getattr(req, ATTRIBUTE, None)
+
+
 def removed_of(req) -> int:
     """Prompt tokens the request's row does not hold (0 for a request the plugin never saw)."""
-    state = getattr(req, ATTRIBUTE, None)
+    state = existing_state(req)
     return state.removed if state is not None else 0
 
 
