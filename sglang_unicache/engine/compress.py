@@ -7,7 +7,9 @@ compact the row, rewrite the request so every length agrees (its token ids: each
 ids derived from the image, its position, the config and, for query-dependent methods, the
 request, ``variant``; ``extend_end``, KV lengths, the batch's ``seq_lens``, its M-RoPE data),
 and only then free N - K slots per image (``kvpool.Slots``). Any error before the free rolls all
-of it back. With ``--tp-size`` the plan and the write each end in a verdict every rank shares
+of it back. With host copies, the full KV of the request's first image is packed for the host
+store between the plan and the write (``recall.py``) and kept once the compression holds. With
+``--tp-size`` the plan and the write each end in a verdict every rank shares
 (``scale/tensor_parallel.py``), so a failure on one rank keeps the full KV on all.
 """
 
@@ -32,6 +34,7 @@ from sglang_unicache.engine.kvpool import (
     write_spans,
 )
 from sglang_unicache.engine.outcomes import Outcomes
+from sglang_unicache.engine.recall import Recall
 from sglang_unicache.engine.request import namespace, state_of
 from sglang_unicache.engine.rewrite import SpanRewrite, original_position, restore, rewrite, shorten
 from sglang_unicache.engine.scale.tensor_parallel import PeerFailed, TensorParallel
@@ -69,6 +72,7 @@ class Compression:
     tp: TensorParallel
     stats: Stats
     outcomes: Outcomes
+    recall: Recall | None = None  # host copies on
 
     def run(self, req, pending: Pending, capture: QueryCapture) -> None:
         start = time.perf_counter()
@@ -100,10 +104,15 @@ class Compression:
             return [FALLBACK, plan.keep_ratio, 0.0]
         if not results:
             return [UNCHANGED, plan.keep_ratio, 0.0]
+        copied = self._step(req, "copy", lambda: self._copy(req, results))
+        if copied is None:
+            return [ERROR, 0.0, 0.0]
         applied = self._step(req, "apply", lambda: self._apply(req, pending, results))
         if applied is None:
             return [ERROR, 0.0, 0.0]
         self.slots.free(applied.freed)
+        if self.recall is not None:
+            self.recall.keep(copied[0])
         state_of(req).fresh = self._span_metas(req, pending, results, plans, plan.selfcheck,
                                                plan.keep_ratio)
         removed = applied.removed
@@ -168,6 +177,13 @@ class Compression:
                 results.append(SpanResult(start, end, compressed.keys, compressed.values))
                 plans.append(span_plan)
         return plan, results, plans
+
+    def _copy(self, req, results: list[SpanResult]) -> tuple:
+        """Read only: the host copy to keep of the request's first image, if it gets one."""
+        if self.recall is None:
+            return (None,)
+        row = self.req_to_token[req.kv.req_pool_idx, :req.extend_end]
+        return (self.recall.take(req, [r.start for r in results], row),)
 
     def _apply(self, req, pending: Pending, results: list[SpanResult]) -> Applied:
         """Write the compressed entries, compact the row, rewrite the ids and shorten every

@@ -12,6 +12,11 @@ in full):
 4. retracted: ``on_retract`` restores the ids the user sent (it is prefilled and compressed
    again).
 
+With host copies (``recall.py``), step 3 also keeps the full KV of the request's first image in
+host memory, and step 1 plans a later request about that image for recall: SGLang's admission
+loads the image back into the request's own slots, its prefill sees every image token, and step
+3 compresses its own view.
+
 Counters are ``stats.py``'s; self-check outcomes and the fallback warning ``outcomes.py``'s.
 """
 
@@ -25,9 +30,11 @@ import torch
 
 from sglang_unicache.engine.capture import QueryCapture
 from sglang_unicache.engine.compress import Compression
+from sglang_unicache.engine.host_copies import HostCopies
 from sglang_unicache.engine.kvpool import Slots
 from sglang_unicache.engine.outcomes import Outcomes
 from sglang_unicache.engine.radix_cache import SpanSettings
+from sglang_unicache.engine.recall import Recall
 from sglang_unicache.engine.request import state_of
 from sglang_unicache.engine.reuse import Reuse
 from sglang_unicache.engine.scale.tensor_parallel import TensorParallel
@@ -35,6 +42,7 @@ from sglang_unicache.engine.spans import SpanIndex, SpanNaming
 from sglang_unicache.engine.stats import Stats
 from sglang_unicache.engine.targets import Targets
 from sglang_unicache.policy.config import UniCacheConfig
+from sglang_unicache.policy.quantize import host_row_bytes
 from sglang_unicache.policy.registry import build_method
 
 logger = logging.getLogger("sglang_unicache")
@@ -65,6 +73,12 @@ class Controller:
         self.config = cfg = self.config.replace(layer_fill="next")
         self.method = build_method(cfg)
         self.active = cfg.method != "full" and cfg.keep_ratio < 1.0
+        copies = self._host_copies()
+        if copies is not None and cfg.selfcheck_content_threshold < 1.0:
+            # A later question recalls the full image: content_lost, a guess about questions
+            # not yet asked, no longer guards anything (docs/selfcheck.md).
+            self.config = cfg = cfg.replace(selfcheck_content_threshold=1.0)
+            self.method = build_method(cfg)
         if self.active and cfg.selfcheck:
             logger.info("sglang-unicache: %s at keep %.3g; self-check %s <= %.3g and content_lost"
                         " <= %.3g, escalating up to keep %.3g before keeping full KV",
@@ -77,10 +91,39 @@ class Controller:
         self.targets = Targets(cfg, self.stats, self.active)
         self.compression = Compression(self.method, self.naming, self.req_to_token, self.kv_pool,
                                        self.slots, self.tp, self.stats, self.outcomes)
-        self.reuse = Reuse(self.targets, lambda: self.spans, self.stats, self.active)
+        self.recall = (Recall(copies, self.targets, self.kv_pool, self.stats)
+                       if copies is not None else None)
+        self.compression.recall = self.recall
+        self.reuse = Reuse(self.targets, lambda: self.spans, self.stats, self.active,
+                           self.recall)
         if self.tree is not None:
             self.tree.enable_spans(SpanSettings(self.naming, cfg.recompress, self.method.keep),
-                                   self.slots)
+                                   self.slots, self.recall)
+
+    def _host_copies(self) -> HostCopies | None:
+        """The host store of full images (None: off, or of no use to this method), and the
+        startup line saying what it may hold."""
+        cfg = self.config
+        if not self.active or self.tree is None or cfg.host_copies == "off" \
+                or cfg.host_copy_gb <= 0:
+            return None
+        if not self.method.query_dependent:
+            logger.info("sglang-unicache: host copies off: %s keeps the same entries whatever "
+                        "the question, so a later question gains nothing from the full image",
+                        cfg.method)
+            return None
+        pool = self.kv_pool
+        dtype = torch.bfloat16 if pool.dtype.itemsize == 1 else pool.dtype  # as prompt_kv reads
+        quantized = cfg.host_copies == "int8"
+        copies = HostCopies(int(cfg.host_copy_gb * 2**30), quantized, pool.head_dim, dtype)
+        row = host_row_bytes(pool.head_dim, 8) if quantized else pool.head_dim * dtype.itemsize
+        per_token = 2 * pool.layer_num * pool.head_num * row
+        logger.info("sglang-unicache: host copies on: up to %.3g GiB of host memory per "
+                    "scheduler (%s, %d bytes per image token, %.2fx the bfloat16 KV); a later "
+                    "question about a compressed image is prefilled over all of it",
+                    cfg.host_copy_gb, cfg.host_copies, per_token,
+                    row / (2 * pool.head_dim))
+        return copies
 
     @property
     def spans(self) -> SpanIndex:
@@ -107,15 +150,19 @@ class Controller:
         state_of(req).fresh = None
 
     # -- what the user reads -----------------------------------------------------------------------
-    def rank_errors(self) -> list[str]:
-        """The tensor-parallel agreement check's findings, as ``check_integrity`` lines."""
+    def integrity_errors(self) -> list[str]:
+        """The controller's own findings, as ``check_integrity`` lines: tensor-parallel
+        agreement, and the host copies' store and loads."""
         n = self.stats.rank_disagreements
-        return [f"{n} compression(s) differed between tensor-parallel ranks"] if n else []
+        errors = [f"{n} compression(s) differed between tensor-parallel ranks"] if n else []
+        return errors + (self.recall.check() if self.recall is not None else [])
 
     def gauges(self) -> dict[str, float]:
         held = self.tree.compressed_slots_held() if self.tree is not None else 0
         host = self.tree.host.spans if self.tree is not None else 0
-        return {"compressed_slots_held": held, "spans_on_host": host}
+        copies = self.recall.gauges() if self.recall is not None \
+            else {"host_copies": 0, "host_copy_bytes": 0}
+        return {"compressed_slots_held": held, "spans_on_host": host, **copies}
 
     def publish(self) -> None:
         """Counters and gauges to ``/metrics`` (with ``--enable-metrics``)."""
@@ -129,7 +176,9 @@ class Controller:
                 "spans_recompressed": shrunk.spans if shrunk else 0,
                 "recompress_slots_freed": shrunk.slots_freed if shrunk else 0,
                 "spans_loaded_back": host.loaded_back if host else 0,
-                "load_back_waits": host.load_back_waits if host else 0}
+                "load_back_waits": host.load_back_waits if host else 0,
+                **(self.recall.counters() if self.recall is not None
+                   else {"host_copies_stored": 0, "host_copies_evicted": 0})}
 
     def snapshot(self) -> dict:
         return {"dp_rank": self.dp_rank, **self.counters(), **self.gauges(),

@@ -42,6 +42,11 @@ FLAGS = (
          "Fraction of an image's visual KV kept after prefill, in (0, 1]."),
     Flag("--unicache-min-image-tokens", "min_image_tokens", int,
          "Images with fewer visual tokens are left uncompressed."),
+    Flag("--unicache-host-copies", "host_copies", str,
+         "Full KV of each compressed image kept in host memory for later questions: int8, "
+         "exact or off."),
+    Flag("--unicache-host-copy-gb", "host_copy_gb", float,
+         "Host memory the copies may hold, GiB per scheduler; 0 turns them off."),
 )
 CONFIG_FLAG = "--unicache-config"
 ENABLE_FLAG = "--unicache"

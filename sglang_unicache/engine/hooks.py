@@ -226,7 +226,7 @@ def after_get_internal_state(result: Any, state_controller: Any, *args: Any, **k
         state = STATE.controller.snapshot()
         if os.environ.get(CHECK_INTEGRITY) == "1":
             state["integrity"] = check_integrity(state_controller.scheduler) \
-                + STATE.controller.rank_errors()
+                + STATE.controller.integrity_errors()
         result.internal_state["unicache"] = state
     return result
 

@@ -1,11 +1,12 @@
 """The KV pool's one owner in the plugin: every write of compressed entries into pool slots and
 every slot the plugin gives back.
 
-Writes: a request's spans after prefill (``write_spans``, undone by ``restore_spans``) and a
-cached span's entries when it is re-compressed (``move_entries``). Frees: ``Slots.free``, for the
-N - K slots of a compaction and the slots a re-compression drops; it also clears the scheduler's
-"running batch is full" mark (set when a waiting request did not fit, cleared by SGLang only
-when a request leaves), since the slots freed make room too.
+Writes: a request's spans after prefill (``write_spans``, undone by ``restore_spans``), a
+cached span's entries when it is re-compressed (``move_entries``), and a recalled image and its
+history into the slots of the request that recalls it (``write_entries``, ``copy_slots``).
+Frees: ``Slots.free``, for the N - K slots of a compaction and the slots a re-compression drops; it
+also clears the scheduler's "running batch is full" mark (set when a waiting request did not fit,
+cleared by SGLang only when a request leaves), since the slots freed make room too.
 
 Region map of one request's ``req_to_token`` row before and after (one span ``[s, e)``, N = e - s
 tokens kept as K entries, L prompt tokens; D = N - K):
@@ -153,6 +154,20 @@ def write_spans(row: torch.Tensor, spans: list[SpanResult], k_buffers, v_buffers
     for span in spans:
         slots = row[span.start:span.start + span.count].to(torch.int64)
         write_compressed(k_buffers, v_buffers, slots, span.keys, span.values)
+
+
+def write_entries(k_buffers, v_buffers, slots: torch.Tensor, keys, values) -> None:
+    """Write per-layer K/V (``[n, H, D]`` each) into ``slots`` (a recalled image)."""
+    write_compressed(k_buffers, v_buffers, slots, keys, values)
+
+
+def copy_slots(k_buffers, v_buffers, source: torch.Tensor, target: torch.Tensor) -> None:
+    """Copy every layer's entries of slots ``source`` into slots ``target`` (as stored: bytes,
+    for a float8 pool)."""
+    source, target = source.to(torch.int64), target.to(torch.int64)
+    for kb, vb in zip(k_buffers, v_buffers, strict=True):
+        for buf in (as_bytes(kb), as_bytes(vb)):
+            buf.index_copy_(0, target.to(buf.device), buf.index_select(0, source.to(buf.device)))
 
 
 def restore_spans(row: torch.Tensor, spans: list[SpanResult], backup, k_buffers,

@@ -14,6 +14,12 @@ COUNTERS = {
     "images_compressed": "Image spans compressed after prefill",
     "slots_freed": "KV slots returned to the allocator by compaction",
     "spans_reused": "Compressed image spans served from the radix tree to a later request",
+    "spans_recalled": "Images a later request got back in full from their host copy",
+    "recall_history_tokens": "Tokens after a recalled image copied from the device path",
+    "recall_bytes": "Host copy bytes loaded back onto the device for recalls",
+    "recall_lost": "Recalls whose host copy or room was gone at admission: prefilled instead",
+    "host_copies_stored": "Full image spans copied to host memory when compressed",
+    "host_copies_evicted": "Host copies dropped for the host byte budget (least recently used)",
     "fallbacks": "Requests whose self-check failed at the escalation cap; full KV kept",
     "escalations": "Budget doublings after a failed self-check",
     "errors": "Compressions that raised an error (on any tensor-parallel rank); full KV kept",
@@ -27,6 +33,8 @@ COUNTERS = {
     "load_back_waits": "Rounds a request with compressed spans on the host waited for room",
 }
 GAUGES = {
+    "host_copies": "Full image spans held in host memory now",
+    "host_copy_bytes": "Bytes the host copies hold now",
     "compressed_slots_held": "KV slots the radix tree's compressed image spans hold now",
     "spans_on_host": "Compressed image spans held only in HiCache's host tier now",
 }

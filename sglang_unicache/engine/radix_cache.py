@@ -18,6 +18,10 @@ automatically with ``--unicache``. It differs from the default cache in three wa
 
 A request using a span locks its node, so a span is never re-compressed under a running request.
 
+With host copies (``recall.py``) it also takes the loads of recalled images: ``init_load_back``
+fills slots the request owns (``load_back_is_cache_owned`` False for that load), and
+``prefix_device_indices`` appends them to the request's device prefix.
+
 With HiCache (``--enable-hierarchical-cache``) a span node is backed up to host memory like any
 node; under pressure a backed-up leaf is demoted (its device slots freed, the exact host copy
 kept) rather than re-compressed, so the host copy is never stale, and a later request about the
@@ -198,11 +202,15 @@ class CompressedRadixCache(UnifiedRadixCache):
     held = 0  # slots the attached compressed spans hold (kept as they change: read per round)
     recompressed: Recompressed
     host: HostTier
+    recall = None  # recall.Recall with host copies on
+    private_load = False  # the last ``init_load_back`` filled slots of the request's own
 
-    def enable_spans(self, settings: SpanSettings, slots: Slots) -> None:
+    def enable_spans(self, settings: SpanSettings, slots: Slots, recall=None) -> None:
         """Compressed spans from now on: ids and re-compression by ``settings``, the slots a
-        re-compression drops freed through ``slots`` (the plugin's one free path)."""
+        re-compression drops freed through ``slots`` (the plugin's one free path), recalled
+        images loaded by ``recall``."""
         self.settings = settings
+        self.recall = recall
         self.slots = slots
         self.spans = SpanIndex()
         self.recompressed = Recompressed()
@@ -247,6 +255,12 @@ class CompressedRadixCache(UnifiedRadixCache):
         (no room yet) the request waits in the queue, as for memory (``host.load_back_waits``),
         instead of being admitted without it."""
         req = params.req
+        self.private_load = False
+        if self.recall is not None and req is not None:
+            loaded = self.recall.load(self, req, params.host_hit_length)
+            if loaded is not None:
+                self.private_load = loaded[0] > 0
+                return loaded
         if self.settings is None or params.host_hit_length <= 0 or req is None \
                 or not self._host_spans(params.best_match_node, req.last_node):
             return super().init_load_back(params)
@@ -259,6 +273,26 @@ class CompressedRadixCache(UnifiedRadixCache):
             self.host.load_back_waits += 1
             return None
         return loaded
+
+    def load_back_is_cache_owned(self) -> bool:
+        return not self.private_load and super().load_back_is_cache_owned()
+
+    def prefix_device_indices(self, req):
+        """The request's device prefix; for a recall, the tree's text before the image, then the
+        slots its load filled."""
+        tail = self.recall.take_tail(req.rid) if self.recall is not None else None
+        if tail is None:
+            return super().prefix_device_indices(req)
+        path = self.tree_core.collect_full_device_indices(req.last_node,
+                                                          self.root_node_handle(req.extra_key))
+        start = req.prefix_len - tail.numel()
+        return torch.cat([path[:start], tail.to(device=path.device, dtype=path.dtype)])
+
+    def evict_for(self, tokens: int) -> None:
+        """Make room for ``tokens`` slots, as an allocation of SGLang's does."""
+        from sglang.srt.mem_cache.allocation import evict_from_tree_cache
+
+        evict_from_tree_cache(self, tokens)
 
     def _host_spans(self, best_node_id, device_node_id) -> bool:
         """Whether a node between the match's last device node and its best node holds spans."""
@@ -327,6 +361,8 @@ class CompressedRadixCache(UnifiedRadixCache):
         if self.settings is not None:
             self.spans.clear()
             self.host.spans = 0
+        if self.recall is not None:
+            self.recall.clear()
 
     def _evict_device_leaf(self, node_id, tracker):
         if self.settings is not None and self.settings.recompress:

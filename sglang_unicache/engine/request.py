@@ -10,6 +10,7 @@ with it: an aborted or finished request leaves nothing behind in the plugin. Who
 | ``reused`` | ``reuse.py`` | usage (cached tokens as the user sent them) |
 | ``matched`` | ``reuse.py`` | ``reuse.py`` (decide again only when the span index changed) |
 | ``fresh`` | ``compress.py`` | the radix cache, which takes it when the KV enters the tree |
+| ``recall`` | ``recall.py`` (match time) | ``recall.py`` (admission's load) |
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from sglang_unicache.engine.recall import RecallPlan
     from sglang_unicache.engine.rewrite import Rewrite
     from sglang_unicache.engine.spans import SpanMeta
 
@@ -33,6 +35,7 @@ class RequestState:
     reused: int = 0  # of those, the ones reused spans stood for
     matched: int | None = None  # the span index epoch its reuse was decided at
     fresh: list[tuple[int, SpanMeta]] | None = None  # (row position, metadata) it compressed
+    recall: RecallPlan | None = None  # its image loaded back in full at admission
 
     def take_fresh(self) -> list[tuple[int, SpanMeta]]:
         fresh, self.fresh = self.fresh or [], None

@@ -5,6 +5,10 @@ For each image of the request the span index names every cached copy (``SpanInde
 newest first); the request is rewritten to them and matched. Spans the tree holds completely
 stay rewritten; for the first one it does not hold, the image's next copy is tried, else the
 request stops before it; the rest are restored to the original ids.
+
+With host copies (``recall.py``) the device decision is the first half: a request whose first
+image has a host copy is then planned for recall instead, keeping the history the device match
+found behind the compressed copy.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sglang_unicache.engine.recall import Recall
 from sglang_unicache.engine.request import full_kv_only, namespace, state_of
 from sglang_unicache.engine.rewrite import SpanRewrite, restore, rewrite
 from sglang_unicache.engine.spans import SpanIndex
@@ -25,22 +30,26 @@ class Reuse:
     spans: Callable[[], SpanIndex]  # the cache's index of compressed spans
     stats: Stats
     active: bool = True
+    recall: Recall | None = None  # host copies on
 
     def match(self, match: Callable[[], None], req) -> None:
         """Run SGLang's prefix match (``match()``) with the request's known images rewritten to
         their compressed ids; keep the rewrite for the spans the tree fully holds, undo the rest.
 
-        Waiting requests are matched again every round. Which spans to rewrite is decided again
-        only when the span index changed since the request's last decision (``SpanIndex.epoch``:
-        a span added, evicted or re-compressed); otherwise the request keeps the ids that decision
-        left and only SGLang's own match runs, as for any request. A new decision starts from the
-        original ids (idempotent) and leaves either a consistent rewrite or the original request.
+        Waiting requests are matched again every round. Which spans to rewrite is decided again only
+        when the span index or the host copies changed since the request's last decision
+        (``SpanIndex.epoch``: a span added, evicted or re-compressed; ``HostCopies.epoch``),
+        or when it is planned for recall (the plan is set on the match's result); otherwise
+        the request keeps the ids that decision left and only SGLang's own match runs, as
+        for any request. A new decision starts from the original ids (idempotent) and leaves
+        either a consistent rewrite or the original request.
         """
         index = self.spans()
         state = state_of(req)
         eligible = not (not self.active or req.kv.holds_kv or req.is_retracted
                         or full_kv_only(req))
-        if eligible and state.matched == index.epoch:
+        epoch = (index.epoch, self.recall.copies.epoch if self.recall is not None else 0)
+        if eligible and state.matched == epoch and state.recall is None:
             match()
             return
         self.undo(req)
@@ -49,7 +58,15 @@ class Reuse:
         if not eligible:
             match()  # a retracted request is prefilled again from its own tokens
             return
-        state.matched = index.epoch
+        state.matched = epoch
+        covered = self._decide(match, req, index)
+        if self.recall is not None and self.recall.decide(req):
+            return
+        self.stats.spans_reused += covered
+
+    def _decide(self, match: Callable[[], None], req, index: SpanIndex) -> int:
+        """The device decision: rewrite, match, keep what the tree holds; the spans it reuses."""
+        state = state_of(req)
         # SGLang matches at most the prompt's length - 1 (one token must be computed); a span
         # past that cap would be cut in the middle, so it is not rewritten.
         limit = len(req.origin_input_ids) - 1
@@ -74,8 +91,7 @@ class Reuse:
             if covered == candidates:
                 state.rewrites = [record]
                 state.reused = record.removed  # usage: cached tokens as the user sent them
-                self.stats.spans_reused += len(covered)
-                return
+                return len(covered)
             restore(req, record)
             # The tree matched up to the first span it does not hold under these ids: try that
             # image's next cached copy (another prefix's, or another request's plan), else stop
@@ -88,6 +104,7 @@ class Reuse:
             else:
                 candidates = covered
         match()
+        return 0
 
     @staticmethod
     def undo(req) -> None:
@@ -97,3 +114,4 @@ class Reuse:
             restore(req, record)
         state.rewrites = []
         state.matched = None
+        state.recall = None

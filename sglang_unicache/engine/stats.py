@@ -18,7 +18,11 @@ class Stats:
     rank_disagreements: int = 0  # --tp-size: compressions the ranks did not do alike
     retracted: int = 0  # requests retracted by the scheduler (restored to their own ids)
     skipped_cached: int = 0
-    spans_reused: int = 0
+    spans_reused: int = 0  # compressed spans a later request decoded on (the device path)
+    spans_recalled: int = 0  # images a later request got back in full from the host copies
+    recall_history_tokens: int = 0  # tokens after a recalled image copied from the device path
+    recall_bytes: int = 0  # host copy bytes loaded back onto the device
+    recall_lost: int = 0  # recalls whose copy or room was gone at admission: prefilled instead
     images_prefilled: int = 0  # image spans a prefill computed (SGLang encodes exactly these)
     compress_seconds: float = 0.0  # policy + compaction, summed (benchmarks read it)
     prefill_seconds: float = 0.0  # forwards of extend batches that had targets, summed

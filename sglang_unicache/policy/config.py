@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 QUANTIZATIONS = ("off", "int8", "int4")
+HOST_COPY_FORMATS = ("int8", "exact", "off")
 LAYER_FILLS = ("none", "next")
 MODALITY_ALLOCATIONS = ("density", "fixed")
 # The self-check's statistics (checks/selfcheck.py): those over the observation queries, in the
@@ -201,6 +202,17 @@ class UniCacheConfig:
     recompress_factor: float = 0.5
     recompress_floor: float = 0.02
 
+    # A compressed image's full KV stays in host memory, and a later question about it is
+    # prefilled over all of it before compressing its own view (engine/recall.py). Only for
+    # methods whose selection follows the question; with copies on, the self-check's
+    # content_lost half is off (a later question no longer depends on this plan).
+    host_copies: str = doc(
+        "int8", "full KV of each compressed image kept in host memory for later questions: "
+        "int8 per (token, KV head) (seed §6.3), exact (the pool's dtype) or off",
+        section="host copies and recall (ours)")
+    host_copy_gb: float = doc(4.0, "host memory the copies may hold, GiB per scheduler (least "
+                              "recently used out first); 0 turns them off")
+
     aircache_alpha: float = doc(0.9, section="AirCache (ICCV 2025) and baselines")
     aircache_floor: float = doc(0.1, "added to normalised layer scores before rescaling (ours)")
     pyramid_beta: float = doc(20.0, "PyramidKV: top layer gets average/beta")
@@ -271,6 +283,11 @@ class UniCacheConfig:
         _choice("modality_allocation", self.modality_allocation, MODALITY_ALLOCATIONS)
         _choice("quantization", self.quantization, QUANTIZATIONS)
         _choice("host_quantization", self.host_quantization, QUANTIZATIONS)
+        _choice("host_copies", self.host_copies, HOST_COPY_FORMATS)
+        if not (isinstance(self.host_copy_gb, (int, float)) and math.isfinite(self.host_copy_gb)
+                and self.host_copy_gb >= 0):
+            raise ValueError(
+                f"unicache config: host_copy_gb must be >= 0, got {self.host_copy_gb!r}")
         _choice("layer_fill", self.layer_fill, LAYER_FILLS)
         if self.evict_low > self.evict_high:
             raise ValueError(
