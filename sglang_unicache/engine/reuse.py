@@ -23,6 +23,9 @@ from sglang_unicache.engine.spans import SpanIndex
 from sglang_unicache.engine.stats import Stats
 from sglang_unicache.engine.targets import Targets
 
+# Copies of a request's first image tried for the one reaching furthest into its prompt.
+MAX_COPIES_TRIED = 8
+
 
 @dataclass
 class Reuse:
@@ -66,7 +69,6 @@ class Reuse:
 
     def _decide(self, match: Callable[[], None], req, index: SpanIndex) -> int:
         """The device decision: rewrite, match, keep what the tree holds; the spans it reuses."""
-        state = state_of(req)
         # SGLang matches at most the prompt's length - 1 (one token must be computed); a span
         # past that cap would be cut in the middle, so it is not rewritten.
         limit = len(req.origin_input_ids) - 1
@@ -77,6 +79,8 @@ class Reuse:
             if options and end <= limit:
                 choices[start] = options
                 candidates.append(SpanRewrite(start, end, options[0]))
+        best: tuple[int, list[SpanRewrite]] | None = None  # (prompt reach, spans) so far
+        tries = 0
         while candidates:
             record = rewrite(req, candidates)
             match()
@@ -89,9 +93,23 @@ class Reuse:
                 covered.append(span)
                 removed_before += span.removed
             if covered == candidates:
-                state.rewrites = [record]
-                state.reused = record.removed  # usage: cached tokens as the user sent them
-                return len(covered)
+                # Every copy of the first image is a different prefix for the turns after it
+                # (another question's, or an earlier turn of this chat): the one reaching
+                # furthest into the prompt (in the ids the user sent) keeps the most of them.
+                reach = matched + record.removed
+                tries += 1
+                first = candidates[0]
+                options = choices[first.start]
+                at = options.index(first.ids) + 1
+                if best is None or reach > best[0]:
+                    best = (reach, list(candidates))
+                    if at >= len(options) or tries >= MAX_COPIES_TRIED:
+                        return self._keep(req, record)
+                restore(req, record)
+                if at >= len(options) or tries >= MAX_COPIES_TRIED:
+                    break
+                candidates = [SpanRewrite(first.start, first.end, options[at]), *candidates[1:]]
+                continue
             restore(req, record)
             # The tree matched up to the first span it does not hold under these ids: try that
             # image's next cached copy (another prefix's, or another request's plan), else stop
@@ -101,10 +119,23 @@ class Reuse:
             at = options.index(missed.ids) + 1
             if at < len(options):
                 candidates[len(covered)] = SpanRewrite(missed.start, missed.end, options[at])
+            elif best is not None:
+                break
             else:
                 candidates = covered
+        if best is not None:
+            record = rewrite(req, best[1])
+            match()
+            return self._keep(req, record)
         match()
         return 0
+
+    @staticmethod
+    def _keep(req, record) -> int:
+        state = state_of(req)
+        state.rewrites = [record]
+        state.reused = record.removed  # usage: cached tokens as the user sent them
+        return len(record.spans)
 
     @staticmethod
     def undo(req) -> None:

@@ -25,7 +25,7 @@ def waiting(tree_holds: int):
     """A controller whose tree holds the request's image as a K-entry span, and the request; the
     fake match finds ``tree_holds`` tokens of the request's current ids in the tree."""
     index = SpanIndex()
-    tree = SimpleNamespace(spans=index, enable_spans=lambda settings, slots: None)
+    tree = SimpleNamespace(spans=index, enable_spans=lambda settings, slots, recall: None)
     controller, req, *_ = setup(torch.tensor([LENGTH]), tree=tree,
                                 config=UniCacheConfig(keep_ratio=0.25))
     meta = SpanMeta(namespace=(None, None), pad=PAD, start=START, length=N,
