@@ -123,16 +123,15 @@ class Recall:
         return True
 
     def _plan(self, req, state) -> RecallPlan | None:
-        spans = self.targets.image_spans(req)  # in the current ids
+        record = state.rewrites[0] if state.rewrites else None
+        # In the ids the user sent (a compressed span may be below min_image_tokens).
+        spans = self.targets.image_spans(req, record.offsets if record is not None else None)
         if not spans:
             return None
         start, end, pad = spans[0]
-        record = state.rewrites[0] if state.rewrites else None
         span = next((s for s in record.spans if s.start == start), None) if record else None
         ids = record.origin_input_ids if record is not None else req.origin_input_ids
         kept = len(span.ids) if span is not None else 0
-        if span is not None:
-            end = span.end
         key = host_key(namespace(req), pad, start, end - start, ids)
         if key not in self.copies:
             return None
@@ -144,7 +143,7 @@ class Recall:
         else:
             history = matched - (start + kept)
             if len(spans) > 1:  # the history stops before the request's next image
-                history = min(history, spans[1][0] - (start + kept))
+                history = min(history, spans[1][0] - end)
         # One prompt token is always computed (SGLang matches at most the prompt's length - 1).
         history = min(history, len(ids) - 1 - end)
         if history < 0:

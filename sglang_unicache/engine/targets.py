@@ -42,16 +42,17 @@ class Targets:
     deferred: set[str] = field(default_factory=set)  # rids whose checkpoint waits (this batch)
     multi_run_noted: bool = False  # the one log line about items in several runs was written
 
-    def image_spans(self, req) -> list[Span]:
-        """The request's image and video spans of at least ``min_image_tokens``, in its ids."""
+    def image_spans(self, req, offsets: list | None = None) -> list[Span]:
+        """The request's image and video spans of at least ``min_image_tokens``, in its ids (or
+        in the ids ``offsets`` describe: each item's runs, e.g. before a rewrite)."""
         mm = req.multimodal_inputs
         if mm is None:
             return []
         spans = []
-        for item in mm.mm_items:
+        for i, item in enumerate(mm.mm_items):
             if item.modality.name not in ("IMAGE", "MULTI_IMAGES", "VIDEO"):
                 continue
-            runs = merge_runs(item.offsets or [])
+            runs = merge_runs((item.offsets if offsets is None else offsets[i]) or [])
             if len(runs) > 1:
                 # SGLang slices an item's embeddings by summing its runs' lengths in the ids
                 # (``mm_schedule``): once one run became K ids, a later run of the same item
