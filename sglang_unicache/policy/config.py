@@ -205,9 +205,10 @@ class UniCacheConfig:
     # A compressed image's full KV stays in host memory, and a later question about it is
     # prefilled over all of it before compressing its own view (engine/recall.py). Only for
     # methods whose selection follows the question; with copies on, the self-check's
-    # content_lost half is off (a later question no longer depends on this plan).
+    # content_lost half is off (a later question no longer depends on this plan). Off by
+    # default until the whole suite and the quality benchmarks have run with it on.
     host_copies: str = doc(
-        "int8", "full KV of each compressed image kept in host memory for later questions: "
+        "off", "full KV of each compressed image kept in host memory for later questions: "
         "int8 per (token, KV head) (seed §6.3), exact (the pool's dtype) or off",
         section="host copies and recall (ours)")
     host_copy_gb: float = doc(4.0, "host memory the copies may hold, GiB per scheduler (least "

@@ -38,7 +38,8 @@ def recall_flags(nocheck_config: str, *extra: str) -> tuple[str, ...]:
 @pytest.fixture
 def exact(server_factory, nocheck_config):
     """Recall from exact copies (the pool's dtype): a later question's prefill is stock's."""
-    server_factory.prefetch(recall_flags(nocheck_config, "--unicache-host-copy-gb", ONE_COPY_GB))
+    server_factory.prefetch(recall_flags(nocheck_config, "--unicache-host-copies", "int8",
+                                         "--unicache-host-copy-gb", ONE_COPY_GB))
     server = server_factory(*recall_flags(nocheck_config, "--unicache-host-copies", "exact"))
     yield server
     assert_integrity(server)
@@ -46,8 +47,9 @@ def exact(server_factory, nocheck_config):
 
 @pytest.fixture
 def one_copy(server_factory, nocheck_config):
-    """int8 copies (the default) with room for one, and SGLang's retraction test switch."""
-    server = server_factory(*recall_flags(nocheck_config, "--unicache-host-copy-gb", ONE_COPY_GB),
+    """int8 copies with room for one, and SGLang's retraction test switch."""
+    server = server_factory(*recall_flags(nocheck_config, "--unicache-host-copies", "int8",
+                                          "--unicache-host-copy-gb", ONE_COPY_GB),
                             env={"SGLANG_TEST_RETRACT": "1"})
     yield server
     assert_integrity(server)
