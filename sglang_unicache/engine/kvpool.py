@@ -109,6 +109,16 @@ def move_entries(k_buffers, v_buffers, slots: torch.Tensor, keep: torch.Tensor) 
             buf[head] = entries.gather(0, pick.expand(-1, -1, entries.shape[-1]))
 
 
+def read_dtype(buffer: torch.Tensor) -> torch.dtype:
+    """What a pool buffer's entries are read as: a float8 pool as bfloat16 (exact)."""
+    return torch.bfloat16 if buffer.element_size() == 1 else buffer.dtype
+
+
+def read_entries(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """One layer's entries at ``index`` as attention sees them (``read_dtype``)."""
+    return buffer.index_select(0, index).to(read_dtype(buffer))
+
+
 def prompt_kv(k_buffers, v_buffers, row: torch.Tensor) -> tuple[LayerView, LayerView]:
     """The prompt's K and V per layer (``[L, H, D]``, token-major as in the pool), gathered from
     the pool when a layer is read: the policy reads one layer at a time, so a long prompt's K/V
@@ -122,10 +132,9 @@ def prompt_kv(k_buffers, v_buffers, row: torch.Tensor) -> tuple[LayerView, Layer
 
     def view(buffers) -> LayerView:
         first = buffers[0]
-        dtype = torch.bfloat16 if first.element_size() == 1 else first.dtype
         return LayerView(len(buffers), (index.numel(), *first.shape[1:]),
-                         lambda layer: buffers[layer].index_select(0, index).to(dtype),
-                         dtype, first.device)
+                         lambda layer: read_entries(buffers[layer], index),
+                         read_dtype(first), first.device)
 
     return view(k_buffers), view(v_buffers)
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sglang_unicache.engine.host_copies import HostCopies, HostKey, host_key
-from sglang_unicache.engine.kvpool import copy_slots, pool_buffers, write_entries
+from sglang_unicache.engine.kvpool import copy_slots, pool_buffers, read_entries, write_entries
 from sglang_unicache.engine.request import existing_state, namespace, state_of
 from sglang_unicache.engine.rewrite import restore
 from sglang_unicache.engine.stats import Stats
@@ -93,8 +93,8 @@ class Recall:
             return None
         index = row[start:end].to(torch.int64)
         k_buffers, v_buffers = pool_buffers(self.kv_pool)
-        return PendingCopy(key, [self.copies.pack(_read(b, index)) for b in k_buffers],
-                           [self.copies.pack(_read(b, index)) for b in v_buffers])
+        return PendingCopy(key, [self.copies.pack(read_entries(b, index)) for b in k_buffers],
+                           [self.copies.pack(read_entries(b, index)) for b in v_buffers])
 
     def keep(self, pending: PendingCopy | None) -> None:
         if pending is not None:
@@ -206,8 +206,3 @@ class Recall:
         return {"host_copies_stored": self.copies.counters.stored,
                 "host_copies_evicted": self.copies.counters.evicted}
 
-
-def _read(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """A layer's entries at ``index``, as attention reads them (a float8 pool as bfloat16)."""
-    entries = buffer.index_select(0, index)
-    return entries.to(torch.bfloat16) if entries.element_size() == 1 else entries
