@@ -147,25 +147,34 @@ def run_reuse(server, images: int, questions: int, seed: int,
         state = internal_state(server).get("unicache", {})
         check = (state.get("recent_checks") or [{}])[-1]
         check = check if check.get("rid") not in (None, last.get("rid")) else None
-        before = state.get("spans_reused", 0)
+        before = state.get("spans_reused", 0) + state.get("spans_recalled", 0)
         correct = []
         for item in group[1:]:
             got = ask(server, item, MAX_TOKENS)
             correct.append(int(got == item.answer))
             rows.append({"qtype": item.qtype, "correct": got == item.answer})
-        reused += internal_state(server).get("unicache", {}).get("spans_reused", 0) - before
+        after = internal_state(server).get("unicache", {})
+        reused += after.get("spans_reused", 0) + after.get("spans_recalled", 0) - before
         per_image.append({"image": group[0].image_id, "check": check, "correct": correct,
-                          "slots": state.get("compressed_slots_held", 0)})
+                          "slots": state.get("compressed_slots_held", 0),
+                          "slots_at_rest": after.get("compressed_slots_held", 0),
+                          "recalled": after.get("spans_recalled", 0)
+                          - state.get("spans_recalled", 0)})
     return score(rows), reused, per_image
 
 
 def held_summary(per_image: list[dict], image_tokens: int) -> dict:
-    """Share of images compressed and mean KV slots each holds in the tree (an image kept at
-    full KV holds all its tokens; escalated ones hold their larger K)."""
+    """Share of images compressed and mean KV slots each holds in the tree after its first
+    question (an image kept at full KV holds all its tokens; escalated ones hold their larger
+    K), and after all its questions (``at_rest``: with recall each later question adds its own
+    compressed view, which carries that chat's history)."""
     slots = [im["slots"] or image_tokens for im in per_image]
+    rest = [im.get("slots_at_rest") or image_tokens for im in per_image]
     return {"compressed_share": sum(bool(im["slots"]) for im in per_image) / len(per_image),
             "mean_slots": sum(slots) / len(slots),
-            "mean_slots_ratio": sum(slots) / len(slots) / image_tokens}
+            "mean_slots_ratio": sum(slots) / len(slots) / image_tokens,
+            "mean_slots_at_rest_ratio": sum(rest) / len(rest) / image_tokens,
+            "recalled": sum(im.get("recalled", 0) for im in per_image)}
 
 
 def run_long(server, images: int, seed: int, grid: int, task: str = "vqa") -> dict:

@@ -91,7 +91,8 @@ class Controller:
         self.targets = Targets(cfg, self.stats, self.active)
         self.compression = Compression(self.method, self.naming, self.req_to_token, self.kv_pool,
                                        self.slots, self.tp, self.stats, self.outcomes)
-        self.recall = (Recall(copies, self.targets, self.kv_pool, self.stats)
+        self.recall = (Recall(copies, self.targets, self.kv_pool, self.stats,
+                              cfg.keep_recalled_views)
                        if copies is not None else None)
         self.compression.recall = self.recall
         self.reuse = Reuse(self.targets, lambda: self.spans, self.stats, self.active,

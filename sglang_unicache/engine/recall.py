@@ -24,6 +24,12 @@ Three steps, each at a point SGLang already has:
    request's own compression (``targets.py``, ``compress.py``) compresses it with this
    question's observation window and frees N - K slots, as for a first request.
 
+At rest (``keep_recalled_views`` off, the default) a recalled request's KV does not enter the
+tree: SGLang's ``skip_radix_cache_insert`` frees its view, question and answer when it finishes,
+so the device holds one compressed span per image (the first question's, with that chat's
+history) and the host its full copy. A later turn of a recalled chat recalls again and prefills
+the turns after the first one.
+
 If the copy or the room is gone by admission, the load reports 0 tokens and SGLang admits the
 request with its device prefix only: the image is encoded and prefilled again, then compressed.
 Nothing is allocated before admission, so an abort or retraction of a waiting request has
@@ -76,6 +82,7 @@ class Recall:
     targets: Targets
     kv_pool: object
     stats: Stats
+    keep_views: bool = False  # a recalled request's view enters the tree when it finishes
     tails: dict[str, torch.Tensor] = field(default_factory=dict)  # rid -> loaded, not yet in a row
 
     # -- 1. copy ----------------------------------------------------------------------------------
@@ -105,6 +112,8 @@ class Recall:
         """After the device decision's match: plan the request's recall, if it has one (True)."""
         state = state_of(req)
         state.recall = None
+        if state.private:  # decided again (a retraction): the new decision says
+            req.skip_radix_cache_insert, state.private = False, False
         if req.host_hit_length > 0 or not len(self.copies):
             return False
         plan = self._plan(req, state)
@@ -179,6 +188,8 @@ class Recall:
             copy_slots(k_buffers, v_buffers, path[plan.source_from:plan.source_from +
                                                    plan.history], history)
         self.tails[req.rid] = slots
+        if not self.keep_views and not req.skip_radix_cache_insert:
+            req.skip_radix_cache_insert, state.private = True, True
         self.stats.spans_recalled += 1
         self.stats.recall_history_tokens += plan.history
         self.stats.recall_bytes += copy.nbytes

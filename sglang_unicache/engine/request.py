@@ -11,6 +11,7 @@ with it: an aborted or finished request leaves nothing behind in the plugin. Who
 | ``matched`` | ``reuse.py`` | ``reuse.py`` (decide again only when the span index changed) |
 | ``fresh`` | ``compress.py`` | the radix cache, which takes it when the KV enters the tree |
 | ``recall`` | ``recall.py`` (match time) | ``recall.py`` (admission's load) |
+| ``private`` | ``recall.py`` (admission's load) | ``recall.py`` (a new decision undoes it) |
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class RequestState:
     matched: int | None = None  # the span index epoch its reuse was decided at
     fresh: list[tuple[int, SpanMeta]] | None = None  # (row position, metadata) it compressed
     recall: RecallPlan | None = None  # its image loaded back in full at admission
+    private: bool = False  # recall barred its KV from the tree (``skip_radix_cache_insert``)
 
     def take_fresh(self) -> list[tuple[int, SpanMeta]]:
         fresh, self.fresh = self.fresh or [], None
@@ -75,10 +77,12 @@ def full_kv_only(req) -> bool:
       the members still read; and a beam group's prompt length is fixed at admission, before
       any match-time rewrite;
     - requests SGLang keeps out of the radix tree (``skip_radix_cache_insert``: beam leaders,
-      requests whose embeddings are overridden, so their KV is not what their ids say).
+      requests whose embeddings are overridden, so their KV is not what their ids say), except
+      a recalled request the plugin itself keeps out (its KV is what its ids say).
     """
+    private = req.skip_radix_cache_insert and not getattr(req, ATTRIBUTE, RequestState()).private
     return (bool(req.return_logprob) or req.session is not None or req.beam_group is not None
-            or req.skip_radix_cache_insert)
+            or private)
 
 
 def namespace(req) -> tuple[object, object]:

@@ -205,14 +205,17 @@ class UniCacheConfig:
     # A compressed image's full KV stays in host memory, and a later question about it is
     # prefilled over all of it before compressing its own view (engine/recall.py). Only for
     # methods whose selection follows the question; with copies on, the self-check's
-    # content_lost half is off (a later question no longer depends on this plan). Off by
-    # default until the whole suite and the quality benchmarks have run with it on.
+    # content_lost half is off (a later question no longer depends on this plan).
     host_copies: str = doc(
-        "off", "full KV of each compressed image kept in host memory for later questions: "
+        "int8", "full KV of each compressed image kept in host memory for later questions: "
         "int8 per (token, KV head) (seed §6.3), exact (the pool's dtype) or off",
         section="host copies and recall (ours)")
     host_copy_gb: float = doc(4.0, "host memory the copies may hold, GiB per scheduler (least "
                               "recently used out first); 0 turns them off")
+    keep_recalled_views: bool = doc(
+        False, "a recalled question's compressed view (and its chat's history after the image) "
+        "stays in the tree when it finishes; off: at rest the device holds one compressed span "
+        "per image, the first question's")
 
     aircache_alpha: float = doc(0.9, section="AirCache (ICCV 2025) and baselines")
     aircache_floor: float = doc(0.1, "added to normalised layer scores before rescaling (ours)")

@@ -79,7 +79,7 @@ def test_a_key_names_the_prompt_before_the_image():
 def test_host_copy_flags_are_validated_in_one_line():
     config = build_config(True, None, {"host_copies": "exact", "host_copy_gb": "0.5"})
     assert config.host_copies == "exact" and config.host_copy_gb == 0.5
-    assert build_config(True, None, {}).host_copies == "off"  # the default, for now
+    assert build_config(True, None, {}).host_copies == "int8"  # the default
     with pytest.raises(UniCacheFlagError, match="--unicache-host-copies: .*host_copies"):
         build_config(True, None, {"host_copies": "fp4"})
     with pytest.raises(UniCacheFlagError, match="--unicache-host-copy-gb: .*>= 0"):
