@@ -12,7 +12,9 @@ estimated.
    share of the prefill forward, per method.
 
 3, 4 and 6 (workload, decode, concurrency: the serving workload) are in ``perf_workload.py``;
-``workload-large`` runs part 3 on a model where prefill costs (``WORKLOAD_MODEL``).
+``workload-large`` runs part 3 on a model where prefill costs (``WORKLOAD_MODEL``); ``recall``
+(``recall_costs.py``) times a later question about an image on that model: stock with the image
+resident, stock with HiCache loading it back, the plugin recalling its host copy.
 
     python -m benchmarks.perf --out runs/perf.json          # the default parts (see Makefile)
     python -m benchmarks.perf --parts capacity,capacity-trained  # 22 minutes
@@ -27,6 +29,7 @@ import time
 from pathlib import Path
 
 from benchmarks.perf_workload import concurrency, decode, streaming, workload
+from benchmarks.recall_costs import recall_costs
 from sglang_unicache.policy.quantize import bits_of, host_row_bytes
 from sglang_unicache.policy.registry import known_methods
 from tests.support.client import (
@@ -240,7 +243,7 @@ def main() -> None:
     parser.add_argument("--stream", type=int, default=400,
                         help="capacity: distinct images streamed")
     parser.add_argument("--parts", default="memory,capacity,capacity-trained,capacity-hicache,"
-                        "overhead,workload,workload-large,decode,concurrency")
+                        "overhead,workload,workload-large,recall,decode,concurrency")
     parser.add_argument("--method", default="knorm", help="plugin method of the workload parts")
     parser.add_argument("--images", type=int, default=24, help="workload: distinct images")
     parser.add_argument("--conversations", type=int, default=48, help="workload: conversations")
@@ -303,6 +306,10 @@ def main() -> None:
                                              conversations=args.conversations,
                                              turns=args.turns, concurrency=args.clients,
                                              image_px=args.image_px)
+    if "recall" in parts:
+        large = Path(args.workload_model) if args.workload_model else build_tiny_qwen2_vl(
+            work / "tiny-qwen2-vl-workload-448", **WORKLOAD_MODEL)
+        results["recall"] = recall_costs(large, config, log_dir)
     if "decode" in parts:
         decode_model = Path(args.decode_model) if args.decode_model else build_tiny_qwen2_vl(
             work / "tiny-qwen2-vl-decode", **DECODE_MODEL)

@@ -110,7 +110,8 @@ def report(full: dict, compressed: dict, keep: str, image_tokens: int) -> None:
           f"{cfg['selfcheck_content_threshold']} (on: {cfg['selfcheck']}), escalating up to keep "
           f"{cfg['escalate_max_keep']}; every key: docs/configuration.md")
     images = len({r["image"] for r in full["rows"]})
-    done = stats["images_compressed"]
+    recalled = stats.get("spans_recalled", 0)
+    done = stats["images_compressed"] - recalled  # a recalled turn compresses its own view too
     per_image = stats["compressed_slots_held"] / max(done, 1)
     print(f"\nanswers correct: {sum(r['correct'] for r in compressed['rows'])}/{n} with "
           f"--unicache (keep {keep}) vs {sum(r['correct'] for r in full['rows'])}/{n} "
@@ -123,10 +124,17 @@ def report(full: dict, compressed: dict, keep: str, image_tokens: int) -> None:
                   f"{check['threshold']:.3f} even at keep {check['keep_ratio']:.2f}")
     print(f"visual KV slots per cached image: {per_image:.0f} with --unicache vs {image_tokens} "
           f"without ({per_image / image_tokens:.2f}x, escalations included)")
+    if stats.get("host_copies"):
+        print(f"host memory: {stats['host_copies']} full images, "
+              f"{stats['host_copy_bytes'] / stats['host_copies'] / 1024:.1f} KiB each (int8 rows "
+              "per token and KV head, for later questions)")
     print(f"KV slots the cache holds after all conversations: {compressed['held']} vs "
           f"{full['held']} ({compressed['held'] / max(full['held'], 1):.2f}x)")
-    print(f"compressed spans reused by later turns: {stats['spans_reused']} (no vision encoder, "
-          "no image prefill)")
+    print(f"later turns served from the cache: {stats['spans_reused'] + recalled} (no vision "
+          f"encoder, no image prefill): {recalled} prefilled over the full image from its host "
+          f"copy ({stats.get('recall_bytes', 0) / max(recalled, 1) / 1024:.1f} KiB each) and "
+          f"decoded on their own compressed view, {stats['spans_reused']} on the shared "
+          "compressed span")
 
 
 def main() -> None:

@@ -26,8 +26,10 @@ def test_demo_reports_savings_and_reuse(tmp_path, server_factory):
                       out)
     assert slots, out[-2000:]
     assert int(slots.group(1)) < int(slots.group(2))
-    reused = re.search(r"compressed spans reused by later turns: (\d+)", out)
+    reused = re.search(r"later turns served from the cache: (\d+) .*: (\d+) prefilled over the "
+                       r"full image from its host copy", out)
     assert reused and int(reused.group(1)) >= 2, out[-2000:]
+    assert int(reused.group(2)) >= 2, out[-2000:]  # host copies are on by default
     assert "effective config (with --unicache): method unicache, keep_ratio 0.1, self-check kl" \
         in out, out[-2000:]
     # the shipped defaults, self-check on: both images compressed
