@@ -5,7 +5,10 @@ Runs the multi-turn workload (``perf_workload.workload``'s draw: 24 images, Zipf
 8-layer ``WORKLOAD_MODEL``, under a py-spy sample of its scheduler (``scheduler_phases.py``), and
 prints one JSON line: wall time, tokens prefilled, output tokens per second and the phase shares.
 
-    python -m benchmarks.workload_phases stock          # or knorm, shipped; --conversations N
+    python -m benchmarks.workload_phases stock   # or knorm, unicache, unicache-no-copies, shipped
+
+``unicache`` is the default method with the self-check off (host copies on, as shipped);
+``unicache-no-copies`` the same with ``host_copies: off``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from tests.support.tiny_vlm import build_tiny_qwen2_vl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("server", choices=("stock", "knorm", "shipped"))
+    parser.add_argument("server", choices=("stock", "knorm", "unicache", "unicache-no-copies",
+                                           "shipped"))
     parser.add_argument("--conversations", type=int, default=48)
     parser.add_argument("--image-px", type=int, default=448,
                         help="image side in px (448: 256 visual tokens, 896: 1,024)")
@@ -36,7 +40,11 @@ def main() -> None:
         build_tiny_qwen2_vl(model, **{**WORKLOAD_MODEL, "image_size": args.image_px})
     config = work / "policy.json"
     config.write_text(json.dumps({"selfcheck": False}))
+    no_copies = work / "policy-no-copies.json"
+    no_copies.write_text(json.dumps({"selfcheck": False, "host_copies": "off"}))
     flags = {"stock": flags_for(None, 0.1, config), "knorm": flags_for("knorm", 0.1, config),
+             "unicache": flags_for("unicache", 0.1, config),
+             "unicache-no-copies": flags_for("unicache", 0.1, no_copies),
              "shipped": next(iter(SHIPPED_ROW.values()))}[args.server]
     picks = popular_images(24, args.conversations, 1.1, 0)  # perf_workload.workload's draw
     pool = ["--max-total-tokens", str(workload_pool(args.image_px))]

@@ -32,6 +32,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 # workloads and timings, scale-out, the second task and the self-check, the micro-benchmarks.
 PARTS = (
     "defaults-as-shipped",
+    "recall",
     "quality",
     "quality-transformers",
     "keep-001",

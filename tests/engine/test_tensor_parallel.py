@@ -59,8 +59,10 @@ def test_two_ranks_answer_and_compress_as_one(case: str, server_factory, tmp_pat
         (one, stats1), (two, stats2) = single.result(), double.result()
     assert two == one
     for key in ("images_compressed", "escalations", "fallbacks", "compressed_slots_held",
-                "spans_reused", "errors"):
+                "spans_reused", "spans_recalled", "recall_history_tokens", "host_copies",
+                "errors"):
         assert stats2[key] == stats1[key], key
+    assert stats1["spans_recalled"] > 0, "later turns recall their image from its host copy"
     assert stats2["errors"] == (1 if faulty else 0)
     assert stats1["images_compressed"] > 0, "the requests after a failure compress"
     assert stats2["rank_disagreements"] == 0

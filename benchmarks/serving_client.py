@@ -1,0 +1,115 @@
+"""SGLang's own benchmark client as the referee: ``sglang.benchmark.serving`` against stock and
+each plugin config, one after the other in the same run, with the client's numbers side by side.
+
+The client's image dataset (``--dataset-name image``: random images of a fixed resolution, a
+random text prompt, fixed output length) through the OpenAI chat endpoint, on a random-weight
+Qwen2-VL (hidden 512, 8 layers; 448 px = 256 visual tokens an image). Two workloads: the pool
+free (SGLang's own pool size) and the pool bound (``--max-total-tokens`` holding about five
+requests' image KV). Each row adds what the plugin did (``/server_info``): images compressed,
+escalations, fallbacks, recalls. The client's images are random noise, so every image is new:
+nothing is reused, and the rows measure the plugin's cost on the way to memory savings.
+
+    python -m benchmarks.serving_client --out runs/serving-client.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.perf import SHIPPED, WORKLOAD_MODEL, flags_for
+from tests.support.client import flush_cache, internal_state
+from tests.support.server import cpu_env, start_server
+from tests.support.tiny_vlm import build_tiny_qwen2_vl
+
+WORKLOADS = {
+    "pool free: 24 prompts, concurrency 8, 64 out": {
+        "client": ["--num-prompts", "24", "--max-concurrency", "8", "--random-output-len", "64"],
+        "server": []},
+    "pool binds: 32 prompts, concurrency 16, 128 out, --max-total-tokens 3000": {
+        "client": ["--num-prompts", "32", "--max-concurrency", "16", "--random-output-len",
+                   "128"],
+        "server": ["--max-total-tokens", "3000"]},
+}
+IMAGE = ["--dataset-name", "image", "--image-count", "2", "--image-resolution", "448x448",
+         "--random-input-len", "32", "--random-range-ratio", "1.0"]
+PLUGIN_KEYS = ("images_compressed", "escalations", "fallbacks", "spans_recalled")
+
+
+def servers(config: Path) -> dict[str, list[str]]:
+    return {"stock": ["--enable-cache-report"],
+            "`--unicache` (defaults as shipped)": SHIPPED,
+            "unicache keep 0.1, self-check off": flags_for("unicache", 0.1, config),
+            "knorm keep 0.1, self-check off": flags_for("knorm", 0.1, config)}
+
+
+def run_client(server, model: Path, workload: list[str], out: Path) -> dict:
+    """One ``sglang.benchmark.serving`` run against ``server``: its summary line."""
+    command = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang-oai-chat",
+               "--host", "127.0.0.1", "--port", str(server.port), "--model", str(model),
+               "--tokenizer", str(model), *IMAGE, *workload, "--output-file", str(out),
+               "--disable-tqdm", "--seed", "1"]
+    subprocess.run(command, check=True, env=cpu_env(), capture_output=True, text=True,
+                   timeout=1200)
+    return json.loads(out.read_text().strip().splitlines()[-1])
+
+
+def measure(model: Path, config: Path, log_dir: Path) -> list[dict]:
+    rows = []
+    for workload, parts in WORKLOADS.items():
+        base = None
+        for i, (name, flags) in enumerate(servers(config).items()):
+            server = start_server(model, [*flags, *parts["server"]],
+                                  log_dir / f"serving-client-{len(rows)}.log")
+            try:
+                flush_cache(server)
+                before = internal_state(server).get("unicache", {})
+                result = run_client(server, model, parts["client"],
+                                    log_dir / f"serving-client-{len(rows)}.jsonl")
+                after = internal_state(server).get("unicache", {})
+            finally:
+                server.stop()
+            row = {"workload": workload, "server": name,
+                   "output_tok_s": round(result["output_throughput"], 1),
+                   "ttft_mean_ms": round(result["mean_ttft_ms"]),
+                   "tpot_mean_ms": round(result["mean_tpot_ms"], 1),
+                   **{key: after.get(key, 0) - before.get(key, 0) for key in PLUGIN_KEYS}}
+            base = base or row
+            if i:
+                row["tok_s_vs_stock"] = round(row["output_tok_s"] / base["output_tok_s"], 2)
+                row["tpot_vs_stock"] = round(row["tpot_mean_ms"] / base["tpot_mean_ms"], 2)
+                row["ttft_vs_stock"] = round(row["ttft_mean_ms"] / base["ttft_mean_ms"], 2)
+            rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="checkpoint (default: a random Qwen2-VL, WORKLOAD_MODEL)")
+    parser.add_argument("--out", default="runs/serving-client.json")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp())
+    model = Path(args.model) if args.model else build_tiny_qwen2_vl(
+        work / "tiny-qwen2-vl-serving", **WORKLOAD_MODEL)
+    config = work / "policy.json"
+    config.write_text(json.dumps({"selfcheck": False}))
+    start = time.perf_counter()
+    rows = measure(model, config, Path("runs/perf-logs"))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"rows": rows,
+                                          "seconds": round(time.perf_counter() - start)},
+                                         indent=1))
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for row in rows:
+        print("| " + " | ".join(str(row.get(k, "")) for k in keys) + " |")
+
+
+if __name__ == "__main__":
+    main()
