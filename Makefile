@@ -32,10 +32,12 @@ format: setup
 # On a fresh clone setup takes 5 min and bench_policy.py 1 min. perf.py's default parts were
 # timed one by one, not as a whole: the decode part 10 min, capacity over 400 images on two
 # models 22 min, capacity with HiCache ~20 min, the workload on a larger model 8 min.
-# Results: runs/perf.json, logs runs/perf-logs.
+# serving_client.py (SGLang's own benchmark client against stock and each config) ~10 min.
+# Results: runs/perf.json, runs/serving-client.json, logs runs/perf-logs.
 # Do not run it beside other jobs: see BENCHMARKS.md.
 bench: setup
 	$(PY) -m benchmarks.perf --out runs/perf.json
+	$(PY) -m benchmarks.serving_client --out runs/serving-client.json
 	$(PY) -m benchmarks.bench_policy --reps 2 --dtype bf16
 
 # Quality vs keep ratio: the transformers reference on 40 items per setting, then

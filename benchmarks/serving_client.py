@@ -8,8 +8,11 @@ free (SGLang's own pool size) and the pool bound (``--max-total-tokens`` holding
 requests' image KV). Each row adds what the plugin did (``/server_info``): images compressed,
 escalations, fallbacks, recalls. The client's images are random noise, so every image is new:
 nothing is reused, and the rows measure the plugin's cost on the way to memory savings.
+``--profile`` samples each scheduler with py-spy during the client's run and adds its phase shares
+(``scheduler_phases.py``) to the row (the sampling slows the server: time it without).
 
     python -m benchmarks.serving_client --out runs/serving-client.json
+    python -m benchmarks.serving_client --profile --workloads "pool free" --out runs/sc-prof.json
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import scheduler_phases
 from benchmarks.perf import SHIPPED, WORKLOAD_MODEL, flags_for
 from tests.support.client import flush_cache, internal_state
 from tests.support.server import cpu_env, start_server
@@ -59,9 +63,12 @@ def run_client(server, model: Path, workload: list[str], out: Path) -> dict:
     return json.loads(out.read_text().strip().splitlines()[-1])
 
 
-def measure(model: Path, config: Path, log_dir: Path) -> list[dict]:
+def measure(model: Path, config: Path, log_dir: Path, workloads: list[str],
+            profile: bool = False) -> list[dict]:
     rows = []
     for workload, parts in WORKLOADS.items():
+        if not any(w in workload for w in workloads):
+            continue
         base = None
         for i, (name, flags) in enumerate(servers(config).items()):
             server = start_server(model, [*flags, *parts["server"]],
@@ -69,8 +76,14 @@ def measure(model: Path, config: Path, log_dir: Path) -> list[dict]:
             try:
                 flush_cache(server)
                 before = internal_state(server).get("unicache", {})
-                result = run_client(server, model, parts["client"],
-                                    log_dir / f"serving-client-{len(rows)}.jsonl")
+                spy = log_dir / f"serving-client-{len(rows)}.pyspy"
+                sampler = scheduler_phases.record(server, spy) if profile else None
+                try:
+                    result = run_client(server, model, parts["client"],
+                                        log_dir / f"serving-client-{len(rows)}.jsonl")
+                finally:
+                    if sampler is not None:
+                        scheduler_phases.stop(sampler)
                 after = internal_state(server).get("unicache", {})
             finally:
                 server.stop()
@@ -79,6 +92,8 @@ def measure(model: Path, config: Path, log_dir: Path) -> list[dict]:
                    "ttft_mean_ms": round(result["mean_ttft_ms"]),
                    "tpot_mean_ms": round(result["mean_tpot_ms"], 1),
                    **{key: after.get(key, 0) - before.get(key, 0) for key in PLUGIN_KEYS}}
+            if profile:
+                row["phases"] = scheduler_phases.phases(spy)
             base = base or row
             if i:
                 row["tok_s_vs_stock"] = round(row["output_tok_s"] / base["output_tok_s"], 2)
@@ -91,6 +106,10 @@ def measure(model: Path, config: Path, log_dir: Path) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint (default: a random Qwen2-VL, WORKLOAD_MODEL)")
+    parser.add_argument("--workloads", default="pool free,pool binds",
+                        help="comma-separated: the workloads whose name holds one of these")
+    parser.add_argument("--profile", action="store_true",
+                        help="py-spy each scheduler during the client's run (phase shares)")
     parser.add_argument("--out", default="runs/serving-client.json")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp())
@@ -99,7 +118,9 @@ def main() -> None:
     config = work / "policy.json"
     config.write_text(json.dumps({"selfcheck": False}))
     start = time.perf_counter()
-    rows = measure(model, config, Path("runs/perf-logs"))
+    log_dir = Path("runs/perf-logs")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    rows = measure(model, config, log_dir, args.workloads.split(","), args.profile)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"rows": rows,
                                           "seconds": round(time.perf_counter() - start)},

@@ -40,6 +40,7 @@ PARTS = (
     "capacity",
     "capacity-hicache",
     "hicache-quality",
+    "serving-client",
     "workload-large",
     "workload",
     "decode",
