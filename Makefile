@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export SGLANG_PLATFORM ?= unicache_cpu
 
-.PHONY: setup demo test lint format bench quality selfcheck-study
+.PHONY: setup demo test lint format bench gpu-check quality selfcheck-study
 
 setup: $(VENV)/.installed
 
@@ -35,6 +35,12 @@ format: setup
 # serving_client.py (SGLang's own benchmark client against stock and each config) ~10 min.
 # Results: runs/perf.json, runs/serving-client.json, logs runs/perf-logs.
 # Do not run it beside other jobs: see BENCHMARKS.md.
+# On a CUDA machine (SGLANG_PLATFORM empty): per attention backend identity at keep 1.0,
+# compression and reuse at 0.1, the Triton kernels against their references, decode time per
+# token against stock; one JSON, runs/gpu-check.json. `make gpu-check DRY=--dry` runs it here.
+gpu-check: setup
+	$(PY) -m benchmarks.gpu_check $(DRY) --out runs/gpu-check.json
+
 bench: setup
 	$(PY) -m benchmarks.perf --out runs/perf.json
 	$(PY) -m benchmarks.serving_client --out runs/serving-client.json

@@ -77,7 +77,8 @@ self-check on); wherever a part measured them they have their own row. The rando
 of the performance parts are not the trained ones: their attention says nothing about quality,
 and the self-check escalates on them where it does not on the trained model. No GPU numbers yet:
 the same scripts run on one with `SGLANG_PLATFORM= make bench` and `SGLANG_PLATFORM= make
-quality` (an empty `SGLANG_PLATFORM` lets SGLang pick CUDA).
+quality` (an empty `SGLANG_PLATFORM` lets SGLang pick CUDA), and `make gpu-check` checks every
+attention backend there in one command (`benchmarks/gpu_check.py`; its dry run is tested here).
 """
 
 
