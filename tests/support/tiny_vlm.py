@@ -136,11 +136,44 @@ def build_config(tokenizer, *, hidden: int = 64, layers: int = 2, vision_dim: in
     return config
 
 
-def _patch_config_json(path: Path, *, text_keys: dict) -> None:
+def qwen2_5_config(tokenizer, *, hidden: int = 64, layers: int = 2, vision_dim: int = 32):
+    """The Qwen2.5-VL variant of ``build_config``: a windowed vision tower (window 112 px, the
+    last block full attention) with an MLP and RMSNorm, the same text model."""
+    from transformers import Qwen2_5_VLConfig
+
+    base = build_config(tokenizer, hidden=hidden, layers=layers, vision_dim=vision_dim)
+    vision = dict(depth=2, hidden_size=vision_dim, out_hidden_size=hidden,
+                  intermediate_size=2 * vision_dim, num_heads=2, in_channels=3, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                  fullatt_block_indexes=[1], tokens_per_second=2)
+    return Qwen2_5_VLConfig(
+        text_config=base.text_config.to_dict(),
+        vision_config=vision,
+        image_token_id=base.image_token_id,
+        video_token_id=base.video_token_id,
+        vision_start_token_id=base.vision_start_token_id,
+        vision_end_token_id=base.vision_end_token_id,
+        tie_word_embeddings=False,
+    )
+
+
+def build_tiny_qwen2_5_vl(out_dir: str | Path, *, image_size: int = 224, seed: int = 0) -> Path:
+    """A tiny random Qwen2.5-VL checkpoint (``build_tiny_qwen2_vl``'s, with Qwen2.5's tower)."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(qwen2_5_config(tokenizer)).to(torch.bfloat16)
+    return save_checkpoint(model, tokenizer, Path(out_dir), image_size=image_size,
+                           architecture="Qwen2_5_VLForConditionalGeneration")
+
+
+def _patch_config_json(path: Path, *, text_keys: dict, architecture: str) -> None:
     """Write the fields older readers (SGLang's model code) look for at the top level."""
     data = json.loads(path.read_text())
     data["vision_config"]["in_chans"] = data["vision_config"].get("in_channels", 3)
-    data.setdefault("architectures", ["Qwen2VLForConditionalGeneration"])
+    data.setdefault("architectures", [architecture])
     for key, value in text_keys.items():
         data.setdefault(key, value)
     path.write_text(json.dumps(data, indent=2, sort_keys=True))
@@ -164,7 +197,8 @@ def build_tiny_qwen2_vl(out_dir: str | Path, *, image_size: int = 224, seed: int
     return save_checkpoint(model, tokenizer, out, image_size=image_size)
 
 
-def save_checkpoint(model, tokenizer, out_dir: str | Path, *, image_size: int = 224) -> Path:
+def save_checkpoint(model, tokenizer, out_dir: str | Path, *, image_size: int = 224,
+                    architecture: str = "Qwen2VLForConditionalGeneration") -> Path:
     """Write ``model`` (as is: its dtype), tokenizer, processor and chat template to ``out_dir``
     in the layout SGLang serves (``config.json`` with the top-level text fields it reads).
 
@@ -190,6 +224,7 @@ def save_checkpoint(model, tokenizer, out_dir: str | Path, *, image_size: int = 
     text = config.text_config
     _patch_config_json(
         out / "config.json",
+        architecture=architecture,
         text_keys={
             "vocab_size": text.vocab_size,
             "hidden_size": text.hidden_size,
