@@ -24,11 +24,14 @@ Three steps, each at a point SGLang already has:
    request's own compression (``targets.py``, ``compress.py``) compresses it with this
    question's observation window and frees N - K slots, as for a first request.
 
-At rest (``keep_recalled_views`` off, the default) a recalled request's KV does not enter the
-tree: SGLang's ``skip_radix_cache_insert`` frees its view, question and answer when it finishes,
-so the device holds one compressed span per image (the first question's, with that chat's
-history) and the host its full copy. A later turn of a recalled chat recalls again and prefills
-the turns after the first one.
+At rest (``keep_recalled_views`` off, the default) a recalled request with one image does not
+enter the tree: SGLang's ``skip_radix_cache_insert`` frees its view, question and answer when it
+finishes, so the device holds one compressed span per image (the first question's, with that
+chat's history) and the host its full copy. A later turn of a recalled chat recalls again and
+prefills the turns after the first one. A request with later images (an agent's next
+screenshot) enters the tree as usual, so those images are compressed once and reused; and a
+request whose device match already reuses a later image is not recalled (recalling would
+prefill those images again at every step).
 
 If the copy or the room is gone by admission, the load reports 0 tokens and SGLang admits the
 request with its device prefix only: the image is encoded and prefilled again, then compressed.
@@ -138,6 +141,10 @@ class Recall:
         if not spans:
             return None
         start, end, pad = spans[0]
+        if record is not None and any(s.start != start for s in record.spans):
+            # The device path also serves later images (an agent's earlier screenshots): a
+            # recall would undo those reuses and prefill them again, every step.
+            return None
         span = next((s for s in record.spans if s.start == start), None) if record else None
         ids = record.origin_input_ids if record is not None else req.origin_input_ids
         kept = len(span.ids) if span is not None else 0
@@ -188,7 +195,8 @@ class Recall:
             copy_slots(k_buffers, v_buffers, path[plan.source_from:plan.source_from +
                                                    plan.history], history)
         self.tails[req.rid] = slots
-        if not self.keep_views and not req.skip_radix_cache_insert:
+        alone = len(self.targets.image_spans(req)) == 1  # later images must enter the tree
+        if alone and not self.keep_views and not req.skip_radix_cache_insert:
             req.skip_radix_cache_insert, state.private = True, True
         self.stats.spans_recalled += 1
         self.stats.recall_history_tokens += plan.history

@@ -108,6 +108,28 @@ def test_kept_views_stay_in_the_tree_with_their_history(server_factory, tmp_path
     assert_integrity(server)
 
 
+def test_an_agent_loop_encodes_each_screenshot_once(exact, tmp_path):
+    """A new screenshot each step, the history resent: the second step recalls the first
+    screenshot and compresses the second, and its KV enters the tree, so every later step
+    reuses the earlier screenshots from the device instead of prefilling them again."""
+    from examples import agent_screenshot
+
+    flush_cache(exact)
+    paths = []
+    for i in range(4):
+        path = tmp_path / f"screen{i}.png"
+        path.write_bytes(solid_png((60 * i, 240 - 60 * i, 90)))
+        paths.append(str(path))
+    before = stats(exact)
+    log = agent_screenshot.run(exact.url, paths, max_tokens=4)
+    assert all(entry["answer"] is not None for entry in log)
+    after = stats(exact)
+    assert after["images_prefilled"] - before["images_prefilled"] == len(paths)
+    assert after["spans_recalled"] - before["spans_recalled"] == 1  # the second step's
+    assert after["spans_reused"] - before["spans_reused"] >= len(paths) - 2
+    assert log[-1]["cached_tokens"] >= (len(paths) - 1) * IMAGE_TOKENS
+
+
 def test_a_chat_turn_recalls_the_image_and_keeps_its_history(exact):
     flush_cache(exact)
     body = image_chat(solid_png((33, 144, 240)), "what colour is it?", max_tokens=6)
