@@ -350,12 +350,16 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(results, indent=1))
     for name in parts:
         print(f"\n## {name}")
-        rows = results[name]
-        keys = list(rows[0])
-        print("| " + " | ".join(keys) + " |")
-        print("|" + "---|" * len(keys))
-        for row in rows:
-            print("| " + " | ".join(str(row.get(k, "")) for k in keys) + " |")
+        print_table(results[name])
+
+
+def print_table(rows: list[dict]) -> None:
+    """``rows`` as a markdown table, one column per key any row has (in first-seen order)."""
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for row in rows:
+        print("| " + " | ".join(str(row.get(k, "")) for k in keys) + " |")
 
 
 if __name__ == "__main__":

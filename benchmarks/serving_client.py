@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from benchmarks import scheduler_phases
-from benchmarks.perf import SHIPPED, WORKLOAD_MODEL, flags_for
+from benchmarks.perf import SHIPPED, WORKLOAD_MODEL, flags_for, print_table
 from tests.support.client import flush_cache, internal_state
 from tests.support.server import cpu_env, start_server
 from tests.support.tiny_vlm import build_tiny_qwen2_vl
@@ -125,11 +125,7 @@ def main() -> None:
     Path(args.out).write_text(json.dumps({"rows": rows,
                                           "seconds": round(time.perf_counter() - start)},
                                          indent=1))
-    keys = list(dict.fromkeys(k for row in rows for k in row))
-    print("| " + " | ".join(keys) + " |")
-    print("|" + "---|" * len(keys))
-    for row in rows:
-        print("| " + " | ".join(str(row.get(k, "")) for k in keys) + " |")
+    print_table(rows)
 
 
 if __name__ == "__main__":
