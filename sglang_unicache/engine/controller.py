@@ -140,6 +140,10 @@ class Controller:
     def defer_chunk_checkpoint(self, req) -> bool:
         return self.targets.defer_chunk_checkpoint(req)
 
+    def compresses(self, req) -> bool:
+        """Whether ``req``'s checkpoint compresses (it is a target of the batch in flight)."""
+        return self.targets.is_target(req)
+
     def on_checkpoint(self, req) -> None:
         taken = self.targets.take(req)
         if taken is not None:

@@ -30,6 +30,8 @@ logger = logging.getLogger("sglang_unicache")
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch"
 _MEM_CACHE = "sglang.srt.mem_cache.common"
+_RESULTS = "sglang.srt.managers.scheduler_components.batch_result_processor." \
+    "SchedulerBatchResultProcessor"
 
 HOOKS: list[tuple[str, Callable, str]] = []
 
@@ -58,6 +60,9 @@ class PluginState:
     controller: Controller | None = None
     capture: QueryCapture | None = None
     overlap: OverlapDrain = field(default_factory=OverlapDrain)  # the overlap scheduler's order
+    # While a prefill's result is processed: the checkpoints that compress, run once its first
+    # tokens are streamed (``around_process_batch_result_prefill``); None otherwise.
+    after_stream: list[Callable[[], None]] | None = None
 
 
 STATE = PluginState()
@@ -160,13 +165,37 @@ def around_attention_forward(original, backend, q, k, v, layer, forward_batch, *
     return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
 
 
+@hook(f"{_RESULTS}.process_batch_result_prefill", "AROUND")
+def around_process_batch_result_prefill(original: Any, processor: Any, batch: Any,
+                                        *args: Any, **kwargs: Any) -> Any:
+    """A prefill's first tokens reach their clients before its requests are compressed: the
+    checkpoints that compress wait until SGLang has streamed the batch's outputs (the end of
+    this call, still before the next batch is built), so compression is not in the time to
+    first token. Nothing between the checkpoint and the stream reads what compression changes
+    (usage counts the prompt as sent either way, ``around_stream_accept``)."""
+    if STATE.controller is None:
+        return original(processor, batch, *args, **kwargs)
+    STATE.after_stream = []
+    try:
+        return original(processor, batch, *args, **kwargs)
+    finally:
+        waiting, STATE.after_stream = STATE.after_stream, None
+        for checkpoint in waiting:
+            checkpoint()
+
+
 @hook(f"{_MEM_CACHE}.checkpoint_kv_cache", "AROUND")
 def around_checkpoint_kv_cache(original: Any, req: Any, tree_cache: Any, *args: Any,
                                **kwargs: Any) -> Any:
-    if STATE.controller is not None:
-        if STATE.controller.defer_chunk_checkpoint(req):
+    controller = STATE.controller
+    if controller is not None:
+        if controller.defer_chunk_checkpoint(req):
             # What checkpoint_kv_cache does besides the tree insert: the next chunk resumes here.
             req.prefix_len = req.extend_end
+            return None
+        if STATE.after_stream is not None and controller.compresses(req):
+            STATE.after_stream.append(lambda: (_compress(req),
+                                               original(req, tree_cache, *args, **kwargs)))
             return None
         _compress(req)
     return original(req, tree_cache, *args, **kwargs)

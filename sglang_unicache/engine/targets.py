@@ -129,6 +129,10 @@ class Targets:
         the last chunk is compressed."""
         return req.rid in self.deferred
 
+    def is_target(self, req) -> bool:
+        """Whether ``req`` compresses at its checkpoint (``take`` would give its targets)."""
+        return req.rid in self.pending and self.capture is not None
+
     def take(self, req) -> tuple[Pending, QueryCapture] | None:
         """The request's targets and the batch's capture, once (its checkpoint)."""
         pending = self.pending.pop(req.rid, None)

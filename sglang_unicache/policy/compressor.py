@@ -17,7 +17,10 @@ Order of operations (UniCache seed §3.2, §5.3, §6.3, §7):
 4. per layer and span: protected > recent > anchors > score, top-K per head, sorted ascending;
 5. reduction (evict / merge); quantization happens in ``execute`` (after token compression);
 6. the self-check on the last layers (§7.1); a failure doubles the keep ratio up to
-   ``escalate_max_keep`` and plans again, and sets the fallback flag only past that cap.
+   ``escalate_max_keep`` and plans again, and sets the fallback flag only past that cap. Only
+   the layers the check reads are planned until a level passes (or is the cap); the others are
+   planned once, at that level (``SelfCheck.layers_read``): the same plan, without planning
+   every layer of each failed level.
 
 Hot paths are vectorised over heads and tokens; Python loops are over layers and spans only. The
 only host syncs per plan are budget bookkeeping (small CPU tensors) and the final self-check value.
@@ -26,7 +29,7 @@ only host syncs per plan are budget bookkeeping (small CPU tensors) and the fina
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -149,13 +152,15 @@ class Method:
                                                                n_align)
         use_align = align_score if self.protects_alignment else None
         keep, escalations = self._skip_hopeless(ctx, self.keep.start(dynamic), identity)
-        plans, check = self._plan_spans(ctx, scores, keep, use_align, identity)
+        read = None if self.selfcheck is None else self.selfcheck.layers_read(ctx.num_layers)
+        drafts, check = self._plan_spans(ctx, scores, keep, use_align, identity, read)
         while check is not None and not check.passed and self.keep.can_escalate(keep):
             # A failed check doubles the budget up to the cap before the caller falls back to the
             # full KV (seed §7.1 fallback made graded; the scores are reused, only K changes).
             keep, skipped = self._skip_hopeless(ctx, self.keep.escalated(keep), identity)
             escalations += 1 + skipped
-            plans, check = self._plan_spans(ctx, scores, keep, use_align, identity)
+            drafts, check = self._plan_spans(ctx, scores, keep, use_align, identity, read)
+        plans = [self._finish(ctx, d, scores, check) for d in drafts]
         return RequestPlan(self.name, plans, keep, check, complexity, alignment, escalations)
 
     def _skip_hopeless(self, ctx: PlanContext, keep: float, identity: bool) -> tuple[float, int]:
@@ -207,16 +212,19 @@ class Method:
         keep: float,
         align_score: Tensor | None,
         identity: bool,
-    ) -> tuple[list[CompressionPlan], SelfCheckResult | None]:
-        """Every span planned at one keep ratio, and the self-check of the result."""
-        plans = [self._plan_segment(ctx, seg, scores, seg_keep, align_score, identity)
-                 for seg, seg_keep in self._segment_keeps(ctx, keep)]
+        layers: tuple[int, ...] | None,
+    ) -> tuple[list[_Draft], SelfCheckResult | None]:
+        """Every span drafted at one keep ratio (only ``layers``, the ones the self-check reads;
+        None: all) and the self-check of the drafts."""
+        drafts = [self._draft(ctx, seg, seg_keep, align_score, identity)
+                  for seg, seg_keep in self._segment_keeps(ctx, keep)]
+        for d in drafts:
+            for li in range(ctx.num_layers) if layers is None else layers:
+                d.layers[li] = self._plan_layer(ctx, d, li, scores)
         check = None
         if self.selfcheck is not None:
-            check = self.selfcheck.unchecked() if identity else self.selfcheck(ctx, plans)
-        for p in plans:
-            p.selfcheck = check
-        return plans, check
+            check = self.selfcheck.unchecked() if identity else self.selfcheck(ctx, drafts)
+        return drafts, check
 
     def execute(
         self,
@@ -261,15 +269,16 @@ class Method:
             return budgets
         return torch.full_like(budgets, int(budgets.max()))
 
-    def _plan_segment(
+    def _draft(
         self,
         ctx: PlanContext,
         seg: ImageSpan,
-        scores: list[Tensor],
         keep: float,
         align_score: Tensor | None,
         identity: bool,
-    ) -> CompressionPlan:
+    ) -> _Draft:
+        """A span's plan before its layers: what it protects and how many entries each layer
+        keeps at ``keep``."""
         cfg = self.config
         n, num_layers = seg.length, ctx.num_layers
         skipped = self._skips(seg, identity)
@@ -287,35 +296,52 @@ class Method:
             if n_prot > 0:
                 top = torch.topk(torch.where(cand, a, torch.full_like(a, -1.0)), n_prot).indices
                 forced[top] = True
-        protected = torch.nonzero(forced).flatten()
-        slots = int(budgets.max())
-        counts = self._fill(budgets)
-        layers = []
-        for li in range(num_layers):
-            k = int(counts[li])
-            s = scores[li][:, seg.start : seg.end]
-            n_recent = round(self.recent_fraction * k) if not skipped else 0
-            n_anchor = round(self.anchor_fraction * k) if not skipped else 0
-            key = selection_key(s, forced, n_recent, n_anchor)  # top k per head, ascending
-            kept = torch.topk(key, k, dim=1).indices.sort(dim=1).values
-            assign, weight = self.reducer.reduce(ctx, li, seg, kept, s)
-            hm = ctx.head_clusters(li)
-            layers.append(
-                LayerPlan(
-                    kept,
-                    assign,
-                    weight,
-                    int(budgets[li]),
-                    None if hm is None else hm[0],
-                    None if hm is None else hm[1],
-                    merges=self.reducer.merges,
-                    priority=key.gather(1, kept),
-                )
-            )
-        report = byte_report(ctx, seg, layers, protected, cfg.quantization)
-        return CompressionPlan(
-            seg, self.name, layers, protected, slots, report, cfg.quantization, skipped
+        return _Draft(seg, skipped, forced, budgets, self._fill(budgets))
+
+    def _plan_layer(self, ctx: PlanContext, d: _Draft, li: int, scores: list[Tensor]) -> LayerPlan:
+        seg = d.span
+        k = int(d.counts[li])
+        s = scores[li][:, seg.start : seg.end]
+        n_recent = round(self.recent_fraction * k) if not d.skipped else 0
+        n_anchor = round(self.anchor_fraction * k) if not d.skipped else 0
+        key = selection_key(s, d.forced, n_recent, n_anchor)  # top k per head, ascending
+        kept = torch.topk(key, k, dim=1).indices.sort(dim=1).values
+        assign, weight = self.reducer.reduce(ctx, li, seg, kept, s)
+        hm = ctx.head_clusters(li)
+        return LayerPlan(
+            kept,
+            assign,
+            weight,
+            int(d.budgets[li]),
+            None if hm is None else hm[0],
+            None if hm is None else hm[1],
+            merges=self.reducer.merges,
+            priority=key.gather(1, kept),
         )
+
+    def _finish(
+        self, ctx: PlanContext, d: _Draft, scores: list[Tensor], check: SelfCheckResult | None
+    ) -> CompressionPlan:
+        """The span's plan: the layers the check did not read planned at the level it settled."""
+        layers = [d.layers[li] if li in d.layers else self._plan_layer(ctx, d, li, scores)
+                  for li in range(ctx.num_layers)]
+        protected = torch.nonzero(d.forced).flatten()
+        report = byte_report(ctx, d.span, layers, protected, self.config.quantization)
+        return CompressionPlan(d.span, self.name, layers, protected, int(d.budgets.max()),
+                               report, self.config.quantization, d.skipped, check)
+
+
+@dataclass
+class _Draft:
+    """A span's plan while the self-check decides its level: ``layers`` holds the layers planned
+    so far by index (the check reads ``span``, ``skipped`` and ``layers[i]``)."""
+
+    span: ImageSpan
+    skipped: bool
+    forced: Tensor  # [N] bool: kept whatever the budget
+    budgets: Tensor  # [L] int64 nominal budgets
+    counts: Tensor  # [L] int64 entries each layer keeps
+    layers: dict[int, LayerPlan] = field(default_factory=dict)
 
 
 def byte_report(

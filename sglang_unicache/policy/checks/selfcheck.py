@@ -230,10 +230,19 @@ class SelfCheck:
         floor = content_floor(ctx, span_counts)
         return floor is not None and float(floor) > self.content_threshold + FLOOR_MARGIN
 
+    def checked_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The last ``layers`` layers, whose attention the query statistics compare."""
+        return tuple(range(max(0, num_layers - self.layers), num_layers))
+
+    def layers_read(self, num_layers: int) -> tuple[int, ...]:
+        """Every layer whose plan the check reads (the checked layers and ``CONTENT_LAYER``):
+        the compressor plans only these until a level passes."""
+        return tuple(sorted({CONTENT_LAYER, *self.checked_layers(num_layers)}))
+
     def __call__(self, ctx, plans: list[CompressionPlan]) -> SelfCheckResult:
-        """Run the check over the last ``layers`` layers."""
-        n = ctx.num_layers
-        layers = tuple(range(max(0, n - self.layers), n))
+        """Run the check over the last ``layers`` layers. ``plans``' ``layers`` need hold only
+        the ones ``layers_read`` names."""
+        layers = self.checked_layers(ctx.num_layers)
         content = content_lost(ctx, plans)
         if content is None:
             return self.unchecked(layers)
