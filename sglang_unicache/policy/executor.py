@@ -37,8 +37,11 @@ def execute_layer(lp: LayerPlan, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         return k.clone(), v.clone()
     if not lp.merges:  # eviction only: a per-head gather
         return gather_heads(k, lp.kept), gather_heads(v, lp.kept)
-    k_out = merge_gather(k, lp.kept, lp.assign, lp.weight)
-    return k_out, merge_gather(v, lp.kept, lp.assign, lp.weight)
+    if k.shape == v.shape and k.dtype == v.dtype:  # one call merges both alike
+        kv = merge_gather(torch.stack([k, v], 2), lp.kept, lp.assign, lp.weight)
+        return kv[:, :, 0].contiguous(), kv[:, :, 1].contiguous()
+    return (merge_gather(k, lp.kept, lp.assign, lp.weight),
+            merge_gather(v, lp.kept, lp.assign, lp.weight))
 
 
 def execute(
