@@ -9,7 +9,8 @@ estimated.
    stream of distinct images (``capacity-trained``: the same on the bundled trained model;
    ``capacity-hicache``: with HiCache's host tier, whose resident spans count).
 5. overhead: time from prefill end to compressed cache (score capture + policy + compaction) as a
-   share of the prefill forward, per method.
+   share of the prefill forward, per method; ``overhead-large`` the same on ``WORKLOAD_MODEL``
+   with ``--overhead-images`` images of ``--image-px`` per request (2 x 256 or 4 x 1,024 tokens).
 
 3, 4 and 6 (workload, decode, concurrency: the serving workload) are in ``perf_workload.py``;
 ``workload-large`` runs part 3 on a model where prefill costs (``WORKLOAD_MODEL``); ``recall``
@@ -38,7 +39,7 @@ from tests.support.client import (
     flush_cache,
     internal_state,
 )
-from tests.support.images import image_chat, solid_png
+from tests.support.images import data_url, image_chat, solid_png
 from tests.support.server import start_server
 from tests.support.tiny_vlm import build_tiny_qwen2_vl
 
@@ -211,8 +212,17 @@ def capacity(model: Path, config: Path, ratio: float, stream: int, log_dir: Path
     return rows
 
 
+def images_chat(pngs: list[bytes], question: str, **params) -> dict:
+    """``image_chat`` with several images before the question."""
+    body = image_chat(pngs[0], question, **params)
+    content = body["messages"][0]["content"]
+    content[1:1] = [{"type": "image_url", "image_url": {"url": data_url(png)}}
+                    for png in pngs[1:]]
+    return body
+
+
 def overhead(model: Path, config: Path, methods: list[str], ratio: float, log_dir: Path,
-             requests: int = 6) -> list[dict]:
+             requests: int = 6, images: int = 1, size: int = IMAGE_SIZE) -> list[dict]:
     rows = []
     runs = [(method, flags_for(method, ratio, config)) for method in methods]
     runs.append(("unicache, defaults as shipped", SHIPPED))
@@ -220,11 +230,13 @@ def overhead(model: Path, config: Path, methods: list[str], ratio: float, log_di
         server = start_server(model, flags, log_dir / "overhead.log")
         try:
             for i in range(requests):
-                chat(server, image_chat(image(200 + i), "what colour is it?", max_tokens=2))
+                pngs = [image(200 + images * i + j, size) for j in range(images)]
+                chat(server, images_chat(pngs, "what colour is it?", max_tokens=2))
             stats = internal_state(server)["unicache"]
         finally:
             server.stop()
-        rows.append({"method": method, "keep_ratio": ratio,
+        rows.append({"method": method, "keep_ratio": ratio, "images": images,
+                     "image_tokens": (size // 28) ** 2,
                      "prefill_ms": round(1000 * stats["prefill_seconds"] / requests, 1),
                      "compress_ms": round(1000 * stats["compress_seconds"] / requests, 1),
                      "overhead_share": round(stats["compress_seconds"]
@@ -252,6 +264,8 @@ def main() -> None:
     parser.add_argument("--image-px", type=int, default=IMAGE_SIZE,
                         help="workload-large: image side in px (448: 256 visual tokens, 896: "
                              "1,024); the pool scales with it (perf_workload.workload_pool)")
+    parser.add_argument("--overhead-images", type=int, default=2,
+                        help="overhead-large: images per request")
     parser.add_argument("--decode-batch", type=int, default=8, help="decode: concurrent requests")
     parser.add_argument("--max-batch", type=int, default=64, help="concurrency: largest b tried")
     parser.add_argument("--workload-model", help="checkpoint of the workload-large part "
@@ -291,6 +305,13 @@ def main() -> None:
             servers=only_rows(hicache_servers(model, config, 0.1), args.rows))
     if "overhead" in parts:
         results["overhead"] = overhead(model, config, args.methods.split(","), 0.1, log_dir)
+    if "overhead-large" in parts:
+        large = Path(args.workload_model) if args.workload_model else build_tiny_qwen2_vl(
+            work / f"tiny-qwen2-vl-workload-{args.image_px}",
+            **{**WORKLOAD_MODEL, "image_size": args.image_px})
+        results["overhead-large"] = overhead(large, config, args.methods.split(","), 0.1,
+                                             log_dir, images=args.overhead_images,
+                                             size=args.image_px)
     servers = {"stock": flags_for(None, 0.1, config),
                f"unicache {args.method} keep 0.1": flags_for(args.method, 0.1, config)}
     if "workload" in parts:
