@@ -229,10 +229,15 @@ def overhead(model: Path, config: Path, methods: list[str], ratio: float, log_di
     for method, flags in runs:
         server = start_server(model, flags, log_dir / "overhead.log")
         try:
-            for i in range(requests):
+            before = {}
+            for i in range(-1, requests):  # the first request warms the server up, uncounted
                 pngs = [image(200 + images * i + j, size) for j in range(images)]
                 chat(server, images_chat(pngs, "what colour is it?", max_tokens=2))
-            stats = internal_state(server)["unicache"]
+                if i < 0:
+                    before = internal_state(server)["unicache"]
+            after = internal_state(server)["unicache"]
+            stats = {key: after[key] - before[key]
+                     for key in ("prefill_seconds", "compress_seconds")}
         finally:
             server.stop()
         rows.append({"method": method, "keep_ratio": ratio, "images": images,
