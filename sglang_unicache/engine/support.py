@@ -14,9 +14,20 @@ from typing import Any
 # tokens at their logical positions through the request's M-RoPE delta; 1-D RoPE VLMs (SGLang's
 # LLaVA adaptor: Llama/Mistral/Qwen2 text models with a Pixtral tower, as served by 0.5.23)
 # through a per-request offset added to the batch's positions.
+#
+# Qwen3-VL (dense and MoE): its interleaved M-RoPE only changes which rotary lanes read the
+# temporal, height and width rows of the same ``[3, L]`` positions; SGLang builds them in its
+# Qwen-VL processor with the same ``delta = max position + 1 - prompt length`` and decodes at
+# ``delta + seq_len - 1`` for every M-RoPE model, so ``shift_mrope`` keeps them as for Qwen2-VL.
+# DeepStack adds the vision tower's intermediate features to the first decoder layers' hidden
+# states of the image tokens during their prefill only: they are already inside the KV those
+# layers wrote, so a kept entry keeps them, and neither decode nor a prefill that reuses the
+# span adds them again (the image tokens are not in its extend).
 SUPPORTED_ARCHITECTURES = (
     "Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
     "LlavaForConditionalGeneration",
 )
 SCALED_KV_DTYPES = ("mxfp8", "nvfp4", "fp4_mx_block16")

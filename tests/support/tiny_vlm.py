@@ -1,9 +1,10 @@
-"""A deterministic tiny random Qwen2-VL checkpoint, built offline in seconds.
+"""Deterministic tiny random Qwen2-VL checkpoints (and Qwen2.5-VL, Qwen3-VL dense and MoE),
+built offline in seconds.
 
 Nothing can be downloaded from a model hub here, so tests and demos build their own checkpoint:
 a byte-level BPE tokenizer trained on a small built-in corpus, Qwen2-VL's special tokens, a chat
 template, an image processor config and random weights from a fixed seed. SGLang serves it with
-its real ``Qwen2VLForConditionalGeneration`` code.
+its real model code (``Qwen2VLForConditionalGeneration`` and the others).
 
     python -m tests.support.tiny_vlm OUT_DIR [--image-size 224]
 """
@@ -167,6 +168,106 @@ def build_tiny_qwen2_5_vl(out_dir: str | Path, *, image_size: int = 224, seed: i
     model = Qwen2_5_VLForConditionalGeneration(qwen2_5_config(tokenizer)).to(torch.bfloat16)
     return save_checkpoint(model, tokenizer, Path(out_dir), image_size=image_size,
                            architecture="Qwen2_5_VLForConditionalGeneration")
+
+
+# Qwen3-VL: patch 16, merge 2, so an image is one token per 32 x 32 pixels; a 256 px square
+# image gives 64 tokens (224 px would give 49).
+QWEN3_VL_IMAGE_SIZE = 256
+QWEN3_VL_FACTOR = 32
+
+
+def qwen3_vl_config(tokenizer, *, moe: bool = False, hidden: int = 64, layers: int = 2,
+                    heads: int = 4, kv_heads: int = 2, vision_dim: int = 32,
+                    context: int = 4096):
+    """A tiny Qwen3-VL (``moe``: Qwen3-VL-MoE) config: a 3-block vision tower whose blocks 0 and
+    1 feed DeepStack (their merged features are added to the first two decoder layers' hidden
+    states), interleaved M-RoPE over ``hidden / heads`` = 16-wide heads with QK norm, and for
+    the MoE variant 4 experts, 2 per token, on every layer."""
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    head_dim = hidden // heads
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim, max_position_embeddings=context, rms_norm_eps=1e-6,
+        # Qwen3-VL's own layout ([24, 20, 20] over 64 pairs), scaled to 8 pairs, interleaved.
+        rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
+                         "mrope_section": [4, 2, 2], "mrope_interleaved": True},
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=False,
+    )
+    if moe:
+        # moe_intermediate_size 96: no expert matrix is square, so the layout of each one on
+        # disk is unambiguous (``_released_expert_layout``).
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96,
+                    decoder_sparse_step=1, mlp_only_layers=[])
+    vision = dict(depth=3, hidden_size=vision_dim, intermediate_size=2 * vision_dim,
+                  num_heads=2, in_channels=3, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=hidden, num_position_embeddings=256,
+                  deepstack_visual_indexes=[0, 1])
+    cls = Qwen3VLMoeConfig if moe else Qwen3VLConfig
+    return cls(text_config=text, vision_config=vision,
+               image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+               vision_start_token_id=ids["<|vision_start|>"],
+               vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+
+
+def build_tiny_qwen3_vl(out_dir: str | Path, *, image_size: int = QWEN3_VL_IMAGE_SIZE,
+                        seed: int = 0, moe: bool = False) -> Path:
+    """A tiny random Qwen3-VL checkpoint (``moe``: Qwen3-VL-MoE), the same tokenizer and chat
+    template as ``build_tiny_qwen2_vl``'s.
+
+    ``image_size`` fixes the processor's pixel budget: an ``image_size`` square image gives
+    ``(image_size / 32) ** 2`` visual tokens (256 -> 64, 224 -> 49). ``out_dir``'s name should
+    contain "qwen3-vl" (SGLang's frontend picks the Qwen-VL chat template by path).
+    """
+    import torch
+    from transformers import (
+        Qwen2VLImageProcessor,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeForConditionalGeneration,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    config = qwen3_vl_config(tokenizer, moe=moe)
+    torch.manual_seed(seed)
+    cls = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
+    model = cls(config).to(torch.bfloat16)
+    model.generation_config.eos_token_id = config.text_config.eos_token_id
+    model.save_pretrained(out)
+    if moe:
+        _released_expert_layout(out / "model.safetensors")
+    vision = dict(size={"shortest_edge": QWEN3_VL_FACTOR ** 2,
+                        "longest_edge": image_size * image_size},
+                  patch_size=16, merge_size=2, temporal_patch_size=2)
+    processor = Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**vision, image_mean=[0.5] * 3,
+                                              image_std=[0.5] * 3),
+        video_processor=Qwen3VLVideoProcessor(**vision),
+        tokenizer=tokenizer,
+        chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out)
+    return out
+
+
+def _released_expert_layout(path: Path) -> None:
+    """Store Qwen3-VL-MoE's fused experts as the released checkpoints do (``gate_up_proj``
+    ``[E, hidden, 2 * moe_intermediate]``, ``down_proj`` ``[E, moe_intermediate, hidden]``), the
+    layout SGLang's loader transposes. transformers holds them transposed and saves them as it
+    holds them; it transposes the released layout back when it loads (its shapes differ)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    for name, tensor in tensors.items():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            tensors[name] = tensor.transpose(1, 2).contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def _patch_config_json(path: Path, *, text_keys: dict, architecture: str) -> None:

@@ -1,0 +1,85 @@
+"""Qwen3-VL, dense and MoE, served with ``--unicache`` on the CPU platform from tiny random
+checkpoints built here (DeepStack from two vision blocks, interleaved M-RoPE, 4 experts for the
+MoE variant): keep 1.0 answers as stock SGLang does; keep 0.1 compresses each image, a later
+question is served from the cache without encoding the image again, and a two-image request
+compresses both.
+
+Qwen3-VL's patch is 16 px, so the images here are 256 px squares: 64 tokens each."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import assert_integrity
+from tests.support.client import answer, chat, flush_cache, internal_state
+from tests.support.images import data_url, image_chat, solid_png
+from tests.support.server import start_server
+from tests.support.tiny_vlm import QWEN3_VL_IMAGE_SIZE, build_tiny_qwen3_vl
+
+IMAGE_TOKENS = 64  # a QWEN3_VL_IMAGE_SIZE square image
+KEPT = 6  # keep 0.1 of a 64-token image
+CHATS = [((200, 30, 30), "what colour is it?"), ((30, 200, 30), "describe the picture"),
+         ((30, 30, 200), "is there a square?")]
+
+
+def png(colour: tuple[int, int, int]) -> bytes:
+    return solid_png(colour, size=QWEN3_VL_IMAGE_SIZE)
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def model(request, tmp_path_factory):
+    moe = request.param == "moe"
+    # "qwen3-vl" in the path lets SGLang's frontend pick the Qwen-VL chat template.
+    name = "tiny-qwen3-vl-moe" if moe else "tiny-qwen3-vl"
+    return build_tiny_qwen3_vl(tmp_path_factory.mktemp("models") / name, moe=moe)
+
+
+@pytest.fixture
+def serve(model, server_factory, tmp_path):
+    server_factory.make_room(1)
+    started = []
+
+    def start(*flags: str):
+        server = start_server(model, [*flags, "--enable-cache-report"],
+                              tmp_path / f"server-{len(started)}.log")
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+def answers(server) -> list[str]:
+    return [answer(chat(server, image_chat(png(colour), question, max_tokens=8)))
+            for colour, question in CHATS]
+
+
+def test_keep_one_answers_as_stock(serve):
+    stock_server = serve()
+    stock = answers(stock_server)
+    stock_server.stop()  # one server at a time
+    assert answers(serve("--unicache", "--unicache-keep-ratio", "1.0")) == stock
+
+
+def test_keep_a_tenth_compresses_reuses_and_takes_two_images(serve, nocheck_config):
+    server = serve("--unicache", "--unicache-keep-ratio", "0.1", "--unicache-config",
+                   nocheck_config)
+    flush_cache(server)
+    image = png((140, 30, 200))
+    chat(server, image_chat(image, "what colour is it?", max_tokens=4))
+    first = internal_state(server)["unicache"]
+    assert first["images_compressed"] == 1 and first["compressed_slots_held"] == KEPT
+    later = chat(server, image_chat(image, "where is the square?", max_tokens=4))
+    assert later["usage"]["prompt_tokens_details"]["cached_tokens"] >= IMAGE_TOKENS
+    second = internal_state(server)["unicache"]
+    assert second["spans_recalled"] + second["spans_reused"] == 1
+    assert second["images_prefilled"] == first["images_prefilled"]  # not encoded again
+    body = image_chat(png((10, 120, 10)), "compare them", max_tokens=4)
+    body["messages"][0]["content"].insert(
+        0, {"type": "image_url", "image_url": {"url": data_url(png((250, 250, 0)))}})
+    chat(server, body)
+    third = internal_state(server)["unicache"]
+    assert third["images_compressed"] - second["images_compressed"] == 2
+    assert third["compressed_slots_held"] - second["compressed_slots_held"] == 2 * KEPT
+    assert_integrity(server)
