@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_unicache.engine.capture import QueryCapture
+from sglang_unicache.engine.cpu_threads import one_thread_on_cpu
 from sglang_unicache.engine.kvpool import (
     Slots,
     SpanResult,
@@ -76,7 +77,8 @@ class Compression:
 
     def run(self, req, pending: Pending, capture: QueryCapture) -> None:
         start = time.perf_counter()
-        outcome = self._attempt(req, pending, capture)
+        with one_thread_on_cpu(self.req_to_token.device):
+            outcome = self._attempt(req, pending, capture)
         # Every tensor-parallel rank reaches this line for the same request, whatever happened.
         if not self.tp.agree([*outcome, float(self.slots.allocator.available_size())]):
             self.stats.rank_disagreements += 1
