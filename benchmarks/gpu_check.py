@@ -4,9 +4,9 @@
     python -m benchmarks.gpu_check --dry --out runs/gpu-check.json    # here (tests call it)
 
 It builds its models (random Qwen2-VL checkpoints, no download) and, per attention backend
-(on a GPU: ``fa3``, ``flashinfer``, ``triton``, and ``trtllm_mha`` on compute capability 10;
-dry: ``torch_native``), with SGLang's defaults otherwise (CUDA graphs on where the platform has
-them):
+(on a GPU: ``fa3``, ``flashinfer`` and ``triton``; dry: ``torch_native``; ``trtllm_mha``, the
+default on Blackwell, runs only paged and ``--unicache`` refuses it, ``engine/support.py``), with
+SGLang's defaults otherwise (CUDA graphs on where the platform has them):
 
 1. **identity**: ``--unicache --unicache-keep-ratio 1.0`` answers three image chats token for
    token as stock SGLang does;
@@ -74,12 +74,7 @@ KERNEL_TOLERANCE = {"window_colsum_fp32": 1e-4, "window_colsum_bf16": 3e-2}
 
 
 def backends(dry: bool) -> list[str]:
-    if dry:
-        return list(DRY_BACKENDS)
-    import torch
-
-    major, _ = torch.cuda.get_device_capability()
-    return [*GPU_BACKENDS, *(["trtllm_mha"] if major == 10 else [])]
+    return list(DRY_BACKENDS if dry else GPU_BACKENDS)
 
 
 def answers(server, max_tokens: int = 8) -> list[str]:

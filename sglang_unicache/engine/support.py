@@ -29,13 +29,25 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3VLForConditionalGeneration",
     "Qwen3VLMoeForConditionalGeneration",
     "LlavaForConditionalGeneration",
+    # InternVL (Qwen2/Qwen3 language model, 1-D RoPE): per-request offset, as for LLaVA.
+    "InternVLChatModel",
+    # LLaVA-OneVision (Qwen2 language model, 1-D RoPE): per-request offset, as for LLaVA.
+    "LlavaQwenForCausalLM",
 )
 SCALED_KV_DTYPES = ("mxfp8", "nvfp4", "fp4_mx_block16")
+# Attention backends SGLang 0.5.23 runs only with pages (``arg_groups/overrides.py``: it sets the
+# page size after parsing), and the page size it gives them.
+PAGED_BACKENDS = {"trtllm_mha": 64, "hpc_ops": 64}
 _HYBRID_LAYER_TYPES = ("sliding_attention", "linear_attention", "mamba", "chunked_attention")
 
 
 def unsupported_server_args(args: Any) -> str | None:
     """Why the serving flags rule ``--unicache`` out, or None."""
+    paged = paged_attention_backend(args)
+    if paged:
+        return f"--attention-backend {paged} pages the KV cache (SGLang gives it page size " \
+               f"{PAGED_BACKENDS[paged]}, and picks it by default on Blackwell GPUs); " \
+               "--unicache needs page size 1: use --attention-backend fa3, flashinfer or triton"
     page_size = getattr(args, "page_size", None)
     if page_size not in (None, 1):
         return f"--page-size {page_size}: --unicache needs page size 1"
@@ -66,6 +78,17 @@ def unsupported_server_args(args: Any) -> str | None:
     if dtype in SCALED_KV_DTYPES:
         return f"--kv-cache-dtype {dtype}: KV dtypes with separate scale buffers are not " \
                f"supported with --unicache (use auto, bf16, fp8_e4m3 or fp8_e5m2)"
+    return None
+
+
+def paged_attention_backend(args: Any) -> str | None:
+    """The attention backend (for prefill, decode or both) that SGLang runs only on a paged KV
+    cache, or None. Its page size is set after the arguments are parsed, so a refusal that named
+    ``--page-size`` would name a flag the user never typed."""
+    for name in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+        backend = getattr(args, name, None)
+        if backend in PAGED_BACKENDS:
+            return backend
     return None
 
 
@@ -144,10 +167,16 @@ def unsupported_host_quantization(args: Any, config: Any) -> str | None:
     return None
 
 
+def language_model_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The config's fields with the language model's: VLM checkpoints keep them in
+    ``text_config`` (InternVL in ``llm_config``), older ones at the top level."""
+    return {**(hf_config.get("llm_config") or {}), **(hf_config.get("text_config") or {}),
+            **hf_config}
+
+
 def unsupported_model(hf_config: dict[str, Any]) -> str | None:
     """Why the checkpoint's config rules ``--unicache`` out, or None."""
-    # VLM checkpoints keep the language model's fields in text_config, older ones at the top.
-    merged = {**(hf_config.get("text_config") or {}), **hf_config}
+    merged = language_model_fields(hf_config)
     if "kv_lora_rank" in merged or "index_topk" in merged:
         return "MLA/DSA models are not supported with --unicache (they use a latent KV pool)"
     hybrid = [t for t in merged.get("layer_types") or [] if t in _HYBRID_LAYER_TYPES]
@@ -176,7 +205,7 @@ def unsupported_sharding(args: Any, hf_config: dict[str, Any]) -> str | None:
     """Tensor parallel with fewer KV heads than ranks replicates heads across ranks; their query
     groups then differ by rank, and so would the heads' selections."""
     tp = getattr(args, "tp_size", 1) or 1
-    merged = {**(hf_config.get("text_config") or {}), **hf_config}
+    merged = language_model_fields(hf_config)
     kv_heads = merged.get("num_key_value_heads") or merged.get("num_attention_heads")
     if tp > 1 and kv_heads and kv_heads % tp:
         return f"--tp-size {tp} does not divide the model's {kv_heads} KV heads: replicated " \
