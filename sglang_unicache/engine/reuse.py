@@ -27,6 +27,21 @@ from sglang_unicache.engine.targets import Targets
 MAX_COPIES_TRIED = 8
 
 
+def encodes_past_reused_spans(req) -> bool:
+    """A LLaVA-NeXT/OneVision request (``LlavaBaseForCausalLM``, the only models that record
+    ``image_pad_len``) that reuses compressed spans and still has an image to encode past them.
+    Its forward places image features at ``image_offsets - prefix_len``: the offsets are in the
+    ids the user sent, the prefix length in the compacted row's, so the new image's features
+    would land ``removed`` rows late (and the reused image's over the new one). Such a request
+    is matched on its original ids instead; one whose images all lie in the reused prefix
+    encodes nothing and keeps the reuse."""
+    mm = req.multimodal_inputs
+    if mm is None or not getattr(mm, "image_pad_len", None):
+        return False
+    prefix = req.prefix_len + (getattr(req, "host_hit_length", 0) or 0)
+    return any(end >= prefix for item in mm.mm_items for _, end in item.offsets or [])
+
+
 @dataclass
 class Reuse:
     targets: Targets  # the request's image spans
@@ -63,6 +78,11 @@ class Reuse:
             return
         state.matched = epoch
         covered = self._decide(match, req, index)
+        if covered and encodes_past_reused_spans(req):
+            self.undo(req)
+            state.matched = epoch
+            match()
+            return
         if self.recall is not None and self.recall.decide(req):
             return
         self.stats.spans_reused += covered

@@ -77,10 +77,40 @@ def scheduler_controller(scheduler: Any) -> Controller | None:
         mrope=bool(scheduler.model_config.model_is_mrope),
         dp_rank=parallel.dp_rank or 0, tp=TensorParallel.of(scheduler),
         on_slots_freed=lambda: _room_made(scheduler))
+    _offsets_from_padding(scheduler)
     _warm_kernels(scheduler)
     logger.info("sglang-unicache: scheduler received config method=%s keep_ratio=%s "
                 "min_image_tokens=%s", config.method, config.keep_ratio, config.min_image_tokens)
     return controller
+
+
+def _offsets_from_padding(scheduler: Any) -> None:
+    """LLaVA-NeXT/OneVision (``LlavaBaseForCausalLM`` subclasses in SGLang's llava.py): their
+    image processor leaves ``mm_items[i].offsets`` unset, and the model's ``pad_input_ids``
+    records where it expanded each ``<image>`` token on the request's inputs instead
+    (``image_offsets``, ``image_pad_len``, one per item). Copy them to the items, where the
+    plugin (and SGLang's usage counts) read an image's span."""
+    pad = getattr(scheduler, "pad_input_ids_func", None)
+    if pad is None:
+        return
+
+    def pad_input_ids(input_ids, mm_inputs):
+        padded = pad(input_ids, mm_inputs)
+        item_offsets_from_padding(mm_inputs)
+        return padded
+
+    scheduler.pad_input_ids_func = pad_input_ids
+
+
+def item_offsets_from_padding(mm_inputs: Any) -> None:
+    items = getattr(mm_inputs, "mm_items", None) or []
+    starts = getattr(mm_inputs, "image_offsets", None) or []
+    lengths = getattr(mm_inputs, "image_pad_len", None) or []
+    if not items or len(starts) != len(items) or len(lengths) != len(items) or \
+            any(item.offsets for item in items):
+        return
+    for item, start, length in zip(items, starts, lengths, strict=True):
+        item.offsets = [(int(start), int(start) + int(length) - 1)]
 
 
 def _warm_kernels(scheduler: Any) -> None:
