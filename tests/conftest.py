@@ -141,6 +141,26 @@ def assert_integrity(server) -> None:
 
 
 @pytest.fixture
+def serve(model, server_factory, tmp_path):
+    """``serve(*flags)``: a server of the test module's own ``model`` fixture (a checkpoint other
+    than the tiny Qwen2-VL), stopped after the test; room is made for one."""
+    from tests.support.server import start_server
+
+    server_factory.make_room(1)
+    started = []
+
+    def start(*flags: str):
+        server = start_server(model, [*flags, "--enable-cache-report"],
+                              tmp_path / f"server-{len(started)}.log")
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
 def unicache_server(server_factory):
     server = server_factory("--unicache", "--unicache-keep-ratio", "0.25", "--enable-cache-report")
     yield server

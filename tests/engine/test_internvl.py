@@ -28,22 +28,6 @@ def model(tmp_path_factory):
     return build_tiny_internvl(tmp_path_factory.mktemp("models") / "tiny-internvl")
 
 
-@pytest.fixture
-def serve(model, server_factory, tmp_path):
-    server_factory.make_room(1)
-    started = []
-
-    def start(*flags: str):
-        server = start_server(model, [*flags, "--enable-cache-report"],
-                              tmp_path / f"server-{len(started)}.log")
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.stop()
-
-
 def one_tile(png: bytes, question: str, **params) -> dict:
     """A chat body whose image SGLang's InternVL processor keeps as one tile."""
     body = image_chat(png, question, **params)

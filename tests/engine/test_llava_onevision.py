@@ -15,7 +15,6 @@ import pytest
 from tests.conftest import assert_integrity
 from tests.support.client import answer, chat, flush_cache, internal_state
 from tests.support.images import data_url, image_chat, solid_png
-from tests.support.server import start_server
 from tests.support.tiny_llava_onevision import (
     IMAGE_TOKENS,
     PADDED_IMAGE_TOKENS,
@@ -33,22 +32,6 @@ def model(tmp_path_factory):
     # SGLang picks its chatml-llava template from "llava-onevision-qwen2" in the path.
     return build_tiny_llava_onevision(
         tmp_path_factory.mktemp("models") / "tiny-llava-onevision-qwen2")
-
-
-@pytest.fixture
-def serve(model, server_factory, tmp_path):
-    server_factory.make_room(1)
-    started = []
-
-    def start(*flags: str):
-        server = start_server(model, [*flags, "--enable-cache-report"],
-                              tmp_path / f"server-{len(started)}.log")
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.stop()
 
 
 def answers(server) -> list[str]:

@@ -10,7 +10,6 @@ import pytest
 from tests.conftest import assert_integrity
 from tests.support.client import answer, chat, flush_cache, internal_state
 from tests.support.images import data_url, image_chat, solid_png
-from tests.support.server import start_server
 from tests.support.tiny_vlm import build_tiny_qwen2_5_vl
 
 IMAGE_TOKENS = 64
@@ -22,22 +21,6 @@ CHATS = [((200, 30, 30), "what colour is it?"), ((30, 200, 30), "describe the pi
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("models") / "tiny-qwen2.5-vl")
-
-
-@pytest.fixture
-def serve(model, server_factory, tmp_path):
-    server_factory.make_room(1)
-    started = []
-
-    def start(*flags: str):
-        server = start_server(model, [*flags, "--enable-cache-report"],
-                              tmp_path / f"server-{len(started)}.log")
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.stop()
 
 
 def answers(server) -> list[str]:

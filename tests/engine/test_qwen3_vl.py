@@ -13,7 +13,6 @@ import pytest
 from tests.conftest import assert_integrity
 from tests.support.client import answer, chat, flush_cache, internal_state
 from tests.support.images import data_url, image_chat, solid_png
-from tests.support.server import start_server
 from tests.support.tiny_vlm import QWEN3_VL_IMAGE_SIZE, build_tiny_qwen3_vl
 
 IMAGE_TOKENS = 64  # a QWEN3_VL_IMAGE_SIZE square image
@@ -32,22 +31,6 @@ def model(request, tmp_path_factory):
     # "qwen3-vl" in the path lets SGLang's frontend pick the Qwen-VL chat template.
     name = "tiny-qwen3-vl-moe" if moe else "tiny-qwen3-vl"
     return build_tiny_qwen3_vl(tmp_path_factory.mktemp("models") / name, moe=moe)
-
-
-@pytest.fixture
-def serve(model, server_factory, tmp_path):
-    server_factory.make_room(1)
-    started = []
-
-    def start(*flags: str):
-        server = start_server(model, [*flags, "--enable-cache-report"],
-                              tmp_path / f"server-{len(started)}.log")
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.stop()
 
 
 def answers(server) -> list[str]:

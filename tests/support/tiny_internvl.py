@@ -24,7 +24,7 @@ import argparse
 import json
 from pathlib import Path
 
-from tests.support.tiny_vlm import train_bpe
+from tests.support.tiny_vlm import IMAGE_TOKEN_CHAT_TEMPLATE, chatml_tokenizer
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -39,32 +39,9 @@ SPECIAL_TOKENS = [
 
 TILE = 448  # SGLang's InternVL processor cuts images into tiles of this side
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] in ('image', 'image_url') %}<image>\n"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
 def build_tokenizer(vocab_size: int = 640):
     """A byte-level BPE tokenizer with InternVL's image tokens (deterministic)."""
-    from transformers import PreTrainedTokenizerFast
-
-    tok = train_bpe(SPECIAL_TOKENS, vocab_size)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS[1:],
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    return chatml_tokenizer(SPECIAL_TOKENS, IMAGE_TOKEN_CHAT_TEMPLATE, vocab_size)
 
 
 def build_config(tokenizer, *, patch_size: int = 28, hidden: int = 64, layers: int = 2,

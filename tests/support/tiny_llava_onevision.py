@@ -31,7 +31,7 @@ import argparse
 import json
 from pathlib import Path
 
-from tests.support.tiny_vlm import train_bpe
+from tests.support.tiny_vlm import IMAGE_TOKEN_CHAT_TEMPLATE, chatml_tokenizer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>"]
 
@@ -42,32 +42,9 @@ IMAGE_TOKENS = SIDE * SIDE + SIDE * (SIDE + 1)  # one image: base view + one til
 PADDED_IMAGE_TOKENS = SIDE * SIDE  # each image of a multi-image request
 TOWER_DIR = "siglip-tower"  # SGLang picks SigLIP when "siglip" is in mm_vision_tower
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] in ('image', 'image_url') %}<image>\n"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
 def build_tokenizer(vocab_size: int = 640):
     """A byte-level BPE tokenizer with the ChatML tokens and ``<image>`` (deterministic)."""
-    from transformers import PreTrainedTokenizerFast
-
-    tok = train_bpe(SPECIAL_TOKENS, vocab_size)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS[1:],
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    return chatml_tokenizer(SPECIAL_TOKENS, IMAGE_TOKEN_CHAT_TEMPLATE, vocab_size)
 
 
 def tower_config(*, vision_dim: int = 32, vision_layers: int = 2, vision_heads: int = 2):
@@ -189,7 +166,8 @@ def _save_processor(tokenizer, out: Path) -> None:
     )
     LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer,
                    patch_size=PATCH_SIZE, vision_feature_select_strategy="full",
-                   image_token="<image>", chat_template=CHAT_TEMPLATE).save_pretrained(out)
+                   image_token="<image>",
+                   chat_template=IMAGE_TOKEN_CHAT_TEMPLATE).save_pretrained(out)
 
 
 def build_tiny_llava_onevision(out_dir: str | Path, *, seed: int = 0, hidden: int = 64,

@@ -77,17 +77,38 @@ def build_tokenizer(vocab_size: int = 640, extra_words: tuple[str, ...] | list[s
     ``extra_words`` join the built-in corpus (e.g. a dataset's vocabulary, so its answers become
     one token per word); the default arguments reproduce the original tokenizer exactly.
     """
+    return chatml_tokenizer(SPECIAL_TOKENS, CHAT_TEMPLATE, vocab_size, extra_words)
+
+
+def chatml_tokenizer(special_tokens: list[str], chat_template: str, vocab_size: int = 640,
+                     extra_words: tuple[str, ...] | list[str] = ()):
+    """``train_bpe``'s tokenizer as a transformers tokenizer with ChatML's end and pad tokens
+    (``special_tokens`` start with ``<|endoftext|>``) and ``chat_template``."""
     from transformers import PreTrainedTokenizerFast
 
-    tok = train_bpe(SPECIAL_TOKENS, vocab_size, extra_words)
+    tok = train_bpe(special_tokens, vocab_size, extra_words)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS[1:],
+        additional_special_tokens=special_tokens[1:],
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     return fast
+
+
+# Models whose processor expands one ``<image>`` token per image (InternVL, LLaVA-OneVision).
+IMAGE_TOKEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] in ('image', 'image_url') %}<image>\n"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def build_config(tokenizer, *, hidden: int = 64, layers: int = 2, vision_dim: int = 32,
