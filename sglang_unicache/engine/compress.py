@@ -27,11 +27,11 @@ from sglang_unicache.engine.cpu_threads import one_thread_on_cpu
 from sglang_unicache.engine.kvpool import (
     Slots,
     SpanResult,
-    backup_spans,
+    backup_slots,
     plan_compaction,
     pool_buffers,
     prompt_kv,
-    restore_spans,
+    restore_slots,
     write_spans,
 )
 from sglang_unicache.engine.outcomes import Outcomes
@@ -56,11 +56,8 @@ class Applied:
     """A compression written into the pool and the request, its slots not yet freed."""
 
     freed: torch.Tensor  # slots the request no longer uses
+    removed: int  # how much shorter its row is (fewer than ``freed`` hold in a paged pool)
     undo: Callable[[], None]  # back to the full KV, exactly
-
-    @property
-    def removed(self) -> int:
-        return self.freed.numel()
 
 
 @dataclass
@@ -74,6 +71,7 @@ class Compression:
     stats: Stats
     outcomes: Outcomes
     recall: Recall | None = None  # host copies on
+    page_size: int = 1  # the pool's ``--page-size``
 
     def run(self, req, pending: Pending, capture: QueryCapture) -> None:
         start = time.perf_counter()
@@ -117,12 +115,11 @@ class Compression:
             self.recall.keep(copied[0])
         state_of(req).fresh = self._span_metas(req, pending, results, plans, plan.selfcheck,
                                                plan.keep_ratio)
-        removed = applied.removed
         self.stats.images_compressed += len(results)
         self.stats.requests_compressed += 1
-        self.stats.slots_freed += removed
-        logger.debug("sglang-unicache: %s compressed %d image(s), %d -> %d slots", req.rid,
-                     len(results), req.extend_end + removed, req.extend_end)
+        self.stats.slots_freed += applied.freed.numel()
+        logger.debug("sglang-unicache: %s compressed %d image(s), %d -> %d tokens", req.rid,
+                     len(results), req.extend_end + applied.removed, req.extend_end)
         return [COMPRESSED, plan.keep_ratio, float(sum(p.physical_slots for p in plans))]
 
     def _step(self, req, name: str, run):
@@ -164,21 +161,49 @@ class Compression:
         row = self.req_to_token[req.kv.req_pool_idx, :req.extend_end]
         k_buffers, v_buffers = pool_buffers(self.kv_pool)
         keys, values = prompt_kv(k_buffers, v_buffers, row)
-        spans = [ImageSpan(start, end) for start, end, _ in pending.spans]
+        spans = self._spans(pending)
         positions = torch.tensor(list(pending.target.positions), dtype=torch.int64)
         plan = self.method.plan(ScoreInputs(keys, values, spans, obs_queries=queries,
                                             obs_positions=positions),
                                 self.tp.shards(keys[0].shape[1]))
         results, plans = [], []
         if not plan.fallback:
-            for span_plan, (start, end, _) in zip(plan.image_plans(), pending.spans,
-                                                  strict=True):
-                if span_plan.skipped:
-                    continue
+            for span_plan in self._compacted(plan.image_plans()):
                 compressed = self.method.execute(span_plan, keys, values)
-                results.append(SpanResult(start, end, compressed.keys, compressed.values))
+                span = span_plan.span
+                results.append(SpanResult(span.start, span.end, compressed.keys,
+                                          compressed.values))
                 plans.append(span_plan)
         return plan, results, plans
+
+    def _spans(self, pending: Pending) -> list[ImageSpan]:
+        """The request's new image spans as the policy plans them. In a paged pool each carries
+        the page offset its entries will start at: the text since the last span that compacts
+        (which ends on a page boundary), or since the row's start."""
+        spans, boundary = [], 0
+        for start, end, _ in pending.spans:
+            size = self.page_size
+            spans.append(ImageSpan(start, end, page=(size, (start - boundary) % size)))
+            if size > 1 and end - start >= max(self.method.config.min_image_tokens, size):
+                boundary = end  # expected to compact; checked against the plans in _compacted
+        return spans
+
+    def _compacted(self, plans):
+        """The span plans compaction writes: those that keep fewer entries than their span.
+        In a paged pool a span that keeps every entry (too short for its page) ends where it
+        ends, not on a page boundary, so the page offsets of the spans after it (``_spans``)
+        may not hold: from there on the spans keep their full KV."""
+        out, boundary = [], 0
+        for span_plan in plans:
+            span = span_plan.span
+            size, offset = span.page
+            if size > 1 and (span.start - boundary) % size != offset:
+                break
+            if span_plan.skipped or span_plan.physical_slots >= span.length:
+                continue
+            out.append(span_plan)
+            boundary = span.end
+        return out
 
     def _copy(self, req, results: list[SpanResult]) -> tuple:
         """Read only: the host copy to keep of the request's first image, if it gets one."""
@@ -195,28 +220,28 @@ class Compression:
         row_index = req.kv.req_pool_idx
         row = self.req_to_token[row_index, :length].clone()
         k_buffers, v_buffers = pool_buffers(self.kv_pool)
-        compaction = plan_compaction(row, results)
+        compaction = plan_compaction(row, results, self.page_size)
         removed = compaction.removed
-        backup = backup_spans(row, results, k_buffers, v_buffers)
+        backup = backup_slots(compaction, k_buffers, v_buffers)
         self._rewrite_ids(req, pending, results)
         shortened = False
 
         def undo() -> None:
             if shortened:
                 shorten(req, pending.batch, pending.target.batch_index, -removed)
-            restore_spans(row, results, backup, k_buffers, v_buffers)
+            restore_slots(compaction, backup, k_buffers, v_buffers)
             self.req_to_token[row_index, :length] = row
             restore(req, state_of(req).rewrites.pop())
 
         try:
-            write_spans(row, results, k_buffers, v_buffers)
+            write_spans(compaction, results, k_buffers, v_buffers)
             self.req_to_token[row_index, :length - removed] = compaction.row
             shorten(req, pending.batch, pending.target.batch_index, removed)
             shortened = True
         except BaseException:
             undo()
             raise
-        return Applied(compaction.freed, undo)
+        return Applied(compaction.freed, removed, undo)
 
     def variant(self, req) -> str:
         """What keys a span besides its image, position, config and size: for a method whose

@@ -90,7 +90,8 @@ class Controller:
         self.outcomes = Outcomes(cfg, self.stats)
         self.targets = Targets(cfg, self.stats, self.active)
         self.compression = Compression(self.method, self.naming, self.req_to_token, self.kv_pool,
-                                       self.slots, self.tp, self.stats, self.outcomes)
+                                       self.slots, self.tp, self.stats, self.outcomes,
+                                       page_size=self.page_size)
         self.recall = (Recall(copies, self.targets, self.kv_pool, self.stats,
                               cfg.keep_recalled_views)
                        if copies is not None else None)
@@ -107,6 +108,10 @@ class Controller:
         cfg = self.config
         if not self.active or self.tree is None or cfg.host_copies == "off" \
                 or cfg.host_copy_gb <= 0:
+            return None
+        if self.page_size > 1:
+            logger.info("sglang-unicache: host copies off: --page-size %d (a recall loads "
+                        "whole pages; not built yet)", self.page_size)
             return None
         if not self.method.query_dependent:
             logger.info("sglang-unicache: host copies off: %s keeps the same entries whatever "
@@ -125,6 +130,10 @@ class Controller:
                     cfg.host_copy_gb, cfg.host_copies, per_token,
                     row / (2 * pool.head_dim))
         return copies
+
+    @property
+    def page_size(self) -> int:
+        return getattr(self.allocator, "page_size", 1)
 
     @property
     def spans(self) -> SpanIndex:

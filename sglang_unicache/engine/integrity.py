@@ -1,6 +1,7 @@
 """``check_integrity``: the slot and span invariants the plugin relies on, checked.
 
-Every KV slot of the pool is in exactly one place:
+Every KV slot of the pool (every page, in a paged pool: the allocator hands out and takes back
+whole pages) is in exactly one place:
 
     free     the allocator's free and release lists
     tree     a radix-tree node's value (shared; requests that matched it only read it)
@@ -50,35 +51,44 @@ def check_integrity(scheduler) -> list[str]:
 def _check(scheduler) -> list[str]:
     allocator = scheduler.token_to_kv_pool_allocator
     tree = scheduler.tree_cache
+    size = getattr(allocator, "page_size", 1)  # counted in pages: a paged pool frees whole ones
+    unit = "slot" if size == 1 else "page"
     errors = []
-    free = torch.cat([allocator.free_pages, allocator.release_pages]).to(torch.int64).cpu()
+    free = allocator.get_all_free_pages().to(torch.int64).cpu()
     held = (tree.all_values_flatten().to(torch.int64).cpu() if hasattr(tree, "all_values_flatten")
             else torch.empty(0, dtype=torch.int64))
     if _duplicates(free):
-        errors.append(f"{_duplicates(free)} slot(s) twice in the free list")
+        errors.append(f"{_duplicates(free)} {unit}(s) twice in the free list")
     if _duplicates(held):
         errors.append(f"{_duplicates(held)} slot(s) held by two tree nodes")
-    both = torch.isin(free, held)
+    held_pages = torch.unique(held // size)
+    if held_pages.numel() * size != held.numel():
+        errors.append(f"the tree holds {held.numel()} slots, not whole pages of {size}")
+    both = torch.isin(free, held_pages)
     if both.any():
-        errors.append(f"{int(both.sum())} slot(s) both free and in the tree")
+        errors.append(f"{int(both.sum())} {unit}(s) both free and in the tree")
     owned = []
     req_to_token = scheduler.req_to_token_pool.req_to_token
     for req in live_requests(scheduler):
         row = req_to_token[req.kv.req_pool_idx, :req.kv.kv_allocated_len]
         row = row.to(torch.int64).cpu()
-        own = row[~torch.isin(row, held)]
+        own = torch.unique(row[~torch.isin(row, held)] // size)
         if torch.isin(own, free).any():
             errors.append(f"request {req.rid} holds {int(torch.isin(own, free).sum())} free "
-                          "slot(s)")
+                          f"{unit}(s)")
+        if torch.isin(own, held_pages).any():
+            errors.append(f"request {req.rid} owns {int(torch.isin(own, held_pages).sum())} "
+                          f"{unit}(s) of the tree")
         owned.append(own)
     owned = torch.cat(owned) if owned else torch.empty(0, dtype=torch.int64)
     if _duplicates(owned):
-        errors.append(f"{_duplicates(owned)} slot(s) owned by two requests")
-    total = free.numel() + held.numel() + torch.unique(owned).numel()
-    if total != allocator.size:
-        errors.append(f"{allocator.size - total} slot(s) leaked: free {free.numel()} + tree "
-                      f"{held.numel()} + requests {torch.unique(owned).numel()} != pool "
-                      f"{allocator.size}")
+        errors.append(f"{_duplicates(owned)} {unit}(s) owned by two requests")
+    total = free.numel() + held_pages.numel() + torch.unique(owned).numel()
+    pages = allocator.size // size
+    if total != pages:
+        errors.append(f"{pages - total} {unit}(s) leaked: free {free.numel()} + tree "
+                      f"{held_pages.numel()} + requests {torch.unique(owned).numel()} != pool "
+                      f"{pages}" + (f" (pages of {size} slots)" if size > 1 else ""))
     errors += _check_spans(tree)
     return errors
 

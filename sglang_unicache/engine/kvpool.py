@@ -1,7 +1,7 @@
 """The KV pool's one owner in the plugin: every write of compressed entries into pool slots and
 every slot the plugin gives back.
 
-Writes: a request's spans after prefill (``write_spans``, undone by ``restore_spans``), a
+Writes: a request's spans after prefill (``write_spans``, undone by ``restore_slots``), a
 cached span's entries when it is re-compressed (``move_entries``), and a recalled image and its
 history into the slots of the request that recalls it (``write_entries``, ``copy_slots``).
 Frees: ``Slots.free``, for the N - K slots of a compaction and the slots a re-compression drops; it
@@ -16,9 +16,13 @@ tokens kept as K entries, L prompt tokens; D = N - K):
                              (the span's first K slots, rewritten)
     freed   the span's last N - K slots, returned to the allocator
 
+Paged (``--page-size`` P > 1), each span keeps as many entries as end it on a page boundary,
+the text after it moves to the pages that follow, and what is freed is whole pages
+(``plan_compaction``).
+
 Every compressible span lies past the request's tree-owned prefix (``cache_protected_len``), so
 all slots touched here belong to the request alone. The K/V each write overwrites is copied first
-(``backup_spans``), so a failure restores it.
+(``backup_slots``), so a failure restores it.
 """
 
 from __future__ import annotations
@@ -65,14 +69,18 @@ class SpanResult:
 
 @dataclass
 class Compaction:
-    """The new row of a request and the slots it gave back."""
+    """The new row of a request, where each span's entries go, the text entries that move, and
+    the slots it gives back."""
 
-    row: torch.Tensor  # [L - D] int32 new row prefix
-    freed: torch.Tensor  # [D] int64 slots returned to the allocator
+    row: torch.Tensor  # [L - D] new row prefix (the row's dtype)
+    targets: list[torch.Tensor]  # per span, the K slots its entries are written into
+    moves: tuple[torch.Tensor, torch.Tensor]  # (from, to) slots of text entries that move
+    freed: torch.Tensor  # int64 slots returned to the allocator (whole pages)
+    removed: int  # D: how much shorter the row is
 
-    @property
-    def removed(self) -> int:
-        return self.freed.numel()
+    def written(self) -> torch.Tensor:
+        """Every slot a write of this compaction overwrites."""
+        return torch.cat([*self.targets, self.moves[1]]).to(torch.int64)
 
 
 def unwritable_pool(kv_pool) -> str | None:
@@ -139,30 +147,80 @@ def prompt_kv(k_buffers, v_buffers, row: torch.Tensor) -> tuple[LayerView, Layer
     return view(k_buffers), view(v_buffers)
 
 
-def plan_compaction(row: torch.Tensor, spans: list[SpanResult]) -> Compaction:
-    """The row after compaction and the slots it gives back (reads nothing, writes nothing)."""
-    keep = torch.ones(row.shape[0], dtype=torch.bool, device=row.device)
+def plan_compaction(row: torch.Tensor, spans: list[SpanResult], page_size: int = 1) -> Compaction:
+    """The row after compaction (reads nothing, writes nothing).
+
+    One slot a page: each span's entries go into its first K slots, the text keeps its slots,
+    the span's last N - K slots are freed. Paged (``--page-size`` P): the allocator frees whole
+    pages and a token at row position ``i`` must sit at offset ``i % P`` of the page its
+    neighbours in ``[i - i % P, ...)`` share. The plan made each span end on a page boundary
+    (``ImageSpan.stored``), so from the first span on the new row is laid out afresh: the first
+    span's first page keeps its slots (the text before the span shares it), the row's next
+    pages are reused in order for what follows (entries written, text moved), and the pages
+    left over are freed."""
+    if page_size == 1 or not spans:
+        keep = torch.ones(row.shape[0], dtype=torch.bool, device=row.device)
+        for span in spans:
+            keep[span.start + span.count:span.end] = False
+        targets = [row[s.start:s.start + s.count].to(torch.int64) for s in spans]
+        empty = torch.empty(0, dtype=torch.int64, device=row.device)
+        return Compaction(row[keep], targets, (empty, empty), row[~keep].to(torch.int64),
+                          int((~keep).sum()))
+    size, length = page_size, row.shape[0]
+    removed = sum(s.end - s.start - s.count for s in spans)
+    new_length = length - removed
+    first = spans[0].start
+    head = -(-first // size) * size  # the first span's first page ends here
+    pages = row[head:length:size].to(torch.int64) // size  # the row's pages past it, in order
+    if new_length < head:
+        raise ValueError(f"the first span keeps {spans[0].count} entries, short of its first "
+                         f"page ({head - first} slots)")
+    used = -(-(new_length - head) // size)
+    offsets = torch.arange(size, device=row.device)
+    placed = (pages[:used, None] * size + offsets).reshape(-1)[:new_length - head]
+    new_row = torch.cat([row[:head].to(torch.int64), placed])
+    # Where each new position's entry comes from: a span's entry, or a text token's old slot.
+    sources = torch.full((new_length,), -1, dtype=torch.int64, device=row.device)
+    targets, at, cursor = [], first, first
     for span in spans:
-        keep[span.start + span.count:span.end] = False
-    return Compaction(row=row[keep], freed=row[~keep].to(torch.int64))
+        text = span.start - cursor
+        sources[at:at + text] = row[cursor:span.start].to(torch.int64)
+        at += text
+        targets.append(new_row[at:at + span.count])
+        at += span.count
+        cursor = span.end
+    sources[at:] = row[cursor:].to(torch.int64)
+    text = sources >= 0
+    text[:first] = False
+    moved = text & (sources != new_row)
+    freed = (pages[used:, None] * size + offsets).reshape(-1)
+    return Compaction(new_row.to(row.dtype), targets, (sources[moved], new_row[moved]), freed,
+                      removed)
 
 
-def backup_spans(row: torch.Tensor, spans: list[SpanResult], k_buffers, v_buffers):
-    """Per span, per layer copies of the K/V ``write_spans`` will overwrite (its first K slots)."""
-    backup = []
-    for span in spans:
-        slots = row[span.start:span.start + span.count].to(torch.int64)
-        backup.append(([k.index_select(0, slots) for k in k_buffers],
-                       [v.index_select(0, slots) for v in v_buffers]))
-    return backup
+def backup_slots(compaction: Compaction, k_buffers, v_buffers):
+    """Per layer copies of the K/V the compaction's writes overwrite."""
+    slots = compaction.written()
+    return ([as_bytes(k).index_select(0, slots) for k in k_buffers],
+            [as_bytes(v).index_select(0, slots) for v in v_buffers])
 
 
-def write_spans(row: torch.Tensor, spans: list[SpanResult], k_buffers, v_buffers) -> None:
-    """Write every span's compressed K/V into its first K slots of ``row`` (the row before
-    compaction)."""
-    for span in spans:
-        slots = row[span.start:span.start + span.count].to(torch.int64)
+def write_spans(compaction: Compaction, spans: list[SpanResult], k_buffers, v_buffers) -> None:
+    """Move the text entries the compaction moves (every one read before any write), then write
+    each span's compressed K/V into its target slots."""
+    source, target = compaction.moves
+    if target.numel():
+        copy_slots(k_buffers, v_buffers, source, target)
+    for span, slots in zip(spans, compaction.targets, strict=True):
         write_compressed(k_buffers, v_buffers, slots, span.keys, span.values)
+
+
+def restore_slots(compaction: Compaction, backup, k_buffers, v_buffers) -> None:
+    """Undo ``write_spans`` from ``backup_slots``."""
+    slots = compaction.written()
+    for buffers, saved in zip((k_buffers, v_buffers), backup, strict=True):
+        for buf, entries in zip(buffers, saved, strict=True):
+            as_bytes(buf).index_copy_(0, slots.to(buf.device), entries)
 
 
 def write_entries(k_buffers, v_buffers, slots: torch.Tensor, keys, values) -> None:
@@ -177,11 +235,3 @@ def copy_slots(k_buffers, v_buffers, source: torch.Tensor, target: torch.Tensor)
     for kb, vb in zip(k_buffers, v_buffers, strict=True):
         for buf in (as_bytes(kb), as_bytes(vb)):
             buf.index_copy_(0, target.to(buf.device), buf.index_select(0, source.to(buf.device)))
-
-
-def restore_spans(row: torch.Tensor, spans: list[SpanResult], backup, k_buffers,
-                  v_buffers) -> None:
-    """Undo ``write_spans`` from ``backup_spans``."""
-    for span, (keys, values) in zip(spans, backup, strict=True):
-        slots = row[span.start:span.start + span.count].to(torch.int64)
-        write_compressed(k_buffers, v_buffers, slots, keys, values)

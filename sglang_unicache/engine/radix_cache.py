@@ -11,10 +11,11 @@ automatically with ``--unicache``. It differs from the default cache in three wa
   indexed by image (``spans``) for later requests; an entry dies with its node.
 - Under memory pressure, a leaf that ends in a compressed span is re-compressed before it is
   evicted: each layer and head keeps its highest-priority entries (protected ones first,
-  ``shrink.py``), the node's key and slots shrink in place, the rest of the slots go back to the
-  allocator. Only a span at its floor is evicted whole. A shrink counts as a touch: the shrunk
-  leaf goes behind every other leaf of the eviction walk, so every cached image is halved once
-  before any is halved twice, and one walk goes on until it has freed what it was asked for.
+  ``shrink.py``; in a paged pool as many as end the span on a page boundary), the node's key and
+  slots shrink in place, the rest of the slots go back to the allocator. Only a span at its
+  floor is evicted whole. A shrink counts as a touch: the shrunk leaf goes behind every other
+  leaf of the eviction walk, so every cached image is halved once before any is halved twice,
+  and one walk goes on until it has freed what it was asked for.
 
 A request using a span locks its node, so a span is never re-compressed under a running request.
 
@@ -390,6 +391,13 @@ class CompressedRadixCache(UnifiedRadixCache):
             heapq.heappush(full._evict_device_heap,
                            (full.session_ref_eviction_strategy(node), node))
 
+    def _page_filled(self, at: int, count: int) -> int:
+        """``count`` entries from offset ``at`` of a node (whose key starts a page) rounded up to
+        end on a page boundary: a paged pool frees whole pages, and the span's end must stay one
+        so that a later question after it starts its own page."""
+        size = self.page_size
+        return -(-(at + count) // size) * size - at
+
     def _shrink_leaf(self, node) -> int:
         """Re-compress the last span of an unlocked device leaf in place; slots freed (0: not
         possible, the caller evicts the leaf)."""
@@ -399,7 +407,7 @@ class CompressedRadixCache(UnifiedRadixCache):
             return 0
         at, meta = found[-1]
         settings = self.settings
-        k_new = settings.keep.shrunk(meta.count, meta.length)
+        k_new = self._page_filled(at, settings.keep.shrunk(meta.count, meta.length))
         if k_new >= meta.count:
             return 0
         new_ids = settings.naming.ids(meta.pad, meta.start, k_new, meta.variant)

@@ -1,7 +1,8 @@
 """Setups ``--unicache`` refuses at startup, each with one line that says why.
 
-Compaction rewrites a request's row of ``req_to_token`` slot by slot and keeps one dtype per pool,
-so it needs page size 1, an ordinary MHA pool and no second copy of the KV elsewhere.
+Compaction rewrites a request's row of ``req_to_token`` and writes the pool token by token
+(``[slots, heads, dim]``, any page size) in one dtype, so it needs an ordinary MHA pool in that
+layout and no second copy of the KV elsewhere.
 """
 
 from __future__ import annotations
@@ -35,9 +36,14 @@ SUPPORTED_ARCHITECTURES = (
     "LlavaQwenForCausalLM",
 )
 SCALED_KV_DTYPES = ("mxfp8", "nvfp4", "fp4_mx_block16")
-# Attention backends SGLang 0.5.23 runs only with pages (``arg_groups/overrides.py``: it sets the
-# page size after parsing), and the page size it gives them.
-PAGED_BACKENDS = {"trtllm_mha": 64, "hpc_ops": 64}
+# Attention backends SGLang 0.5.23 runs only with pages of its choosing (``arg_groups/
+# overrides.py``: it sets the page size after parsing), and why each is refused. TRT-LLM's
+# Blackwell kernels read the pool heads-first (HND, ``trtllm_mha_backend.py``).
+PAGED_BACKENDS = {
+    "trtllm_mha": "its Blackwell kernels read the KV pool heads-first (HND), a layout compaction "
+                  "does not write; SGLang picks it by default on Blackwell GPUs",
+    "hpc_ops": "its KV layout is not one compaction writes",
+}
 _HYBRID_LAYER_TYPES = ("sliding_attention", "linear_attention", "mamba", "chunked_attention")
 
 
@@ -45,12 +51,9 @@ def unsupported_server_args(args: Any) -> str | None:
     """Why the serving flags rule ``--unicache`` out, or None."""
     paged = paged_attention_backend(args)
     if paged:
-        return f"--attention-backend {paged} pages the KV cache (SGLang gives it page size " \
-               f"{PAGED_BACKENDS[paged]}, and picks it by default on Blackwell GPUs); " \
-               "--unicache needs page size 1: use --attention-backend fa3, flashinfer or triton"
-    page_size = getattr(args, "page_size", None)
-    if page_size not in (None, 1):
-        return f"--page-size {page_size}: --unicache needs page size 1"
+        return f"--attention-backend {paged} is not supported with --unicache " \
+               f"({PAGED_BACKENDS[paged]}): use --attention-backend fa3, flashinfer or " \
+               "triton, with any --page-size"
     algorithm = getattr(args, "speculative_algorithm", None)
     if algorithm:
         return f"--speculative-algorithm {algorithm}: speculative decoding is not supported " \
@@ -82,9 +85,9 @@ def unsupported_server_args(args: Any) -> str | None:
 
 
 def paged_attention_backend(args: Any) -> str | None:
-    """The attention backend (for prefill, decode or both) that SGLang runs only on a paged KV
-    cache, or None. Its page size is set after the arguments are parsed, so a refusal that named
-    ``--page-size`` would name a flag the user never typed."""
+    """The attention backend (for prefill, decode or both) that SGLang runs only on pages of its
+    own choosing, in a layout compaction does not write, or None. The refusal names the backend,
+    not the ``--page-size`` SGLang sets for it after parsing (a flag the user never typed)."""
     for name in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
         backend = getattr(args, name, None)
         if backend in PAGED_BACKENDS:

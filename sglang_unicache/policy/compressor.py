@@ -185,7 +185,7 @@ class Method:
             if self._skips(seg, identity=False):
                 continue  # kept whole
             n_forced = int(self._forced(ctx, seg, False).sum())
-            counts = self._fill(self._budgets(ctx, seg, seg_keep, n_forced))
+            counts = self._counts(seg, self._budgets(ctx, seg, seg_keep, n_forced))
             out.append((seg, int(counts[CONTENT_LAYER])))
         return out
 
@@ -262,12 +262,13 @@ class Method:
         the budget)."""
         return self.budget.allocate(ctx, seg, keep).clamp_min(n_forced)
 
-    def _fill(self, budgets: Tensor) -> Tensor:
+    def _counts(self, seg: ImageSpan, budgets: Tensor) -> Tensor:
         """The entries each layer's plan keeps: its budget, or with ``layer_fill`` the span's
-        slots (the largest budget)."""
-        if self.config.layer_fill == "none":
-            return budgets
-        return torch.full_like(budgets, int(budgets.max()))
+        slots (the largest budget); in a paged cache, up to the end of the span's last page
+        (``ImageSpan.stored``: the slots it holds anyway)."""
+        if self.config.layer_fill != "none":
+            budgets = torch.full_like(budgets, int(budgets.max()))
+        return seg.stored(budgets)
 
     def _draft(
         self,
@@ -296,7 +297,8 @@ class Method:
             if n_prot > 0:
                 top = torch.topk(torch.where(cand, a, torch.full_like(a, -1.0)), n_prot).indices
                 forced[top] = True
-        return _Draft(seg, skipped, forced, budgets, self._fill(budgets))
+        return _Draft(seg, skipped, forced, budgets,
+                      budgets if skipped else self._counts(seg, budgets))
 
     def _plan_layer(self, ctx: PlanContext, d: _Draft, li: int, scores: list[Tensor]) -> LayerPlan:
         seg = d.span
@@ -327,7 +329,7 @@ class Method:
                   for li in range(ctx.num_layers)]
         protected = torch.nonzero(d.forced).flatten()
         report = byte_report(ctx, d.span, layers, protected, self.config.quantization)
-        return CompressionPlan(d.span, self.name, layers, protected, int(d.budgets.max()),
+        return CompressionPlan(d.span, self.name, layers, protected, int(d.counts.max()),
                                report, self.config.quantization, d.skipped, check)
 
 

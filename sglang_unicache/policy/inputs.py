@@ -67,18 +67,27 @@ class ImageSpan:
     ``modality`` is "image" for image spans; the library itself also builds "text" segments when
     ``compress_text`` is on. ``grid`` (rows, cols) is the optional patch grid (e.g. Qwen2-VL's
     merged ``h, w``); with it the redundancy signal uses row and column neighbours (UniCache §4.2).
+
+    ``page`` (size, offset): a KV cache paged by ``size`` slots stores the span's entries from
+    ``offset`` in a page on and frees only whole pages, so a plan keeps as many entries as fill
+    the span's last page (``stored``; the engine's ``--page-size``). Default: one slot a page.
     """
 
     start: int
     end: int
     modality: str = "image"
     grid: tuple[int, int] | None = None
+    page: tuple[int, int] = (1, 0)
 
     def __post_init__(self) -> None:
         if not (0 <= self.start < self.end):
             raise ValueError(f"ImageSpan needs 0 <= start < end, got [{self.start}, {self.end})")
         if self.modality not in ("image", "text"):
             raise ValueError(f"ImageSpan.modality must be image or text, got {self.modality!r}")
+        size, offset = self.page
+        if size < 1 or not 0 <= offset < size:
+            raise ValueError(f"ImageSpan.page needs size >= 1 and 0 <= offset < size, got "
+                             f"{self.page}")
 
     @classmethod
     def from_offsets(cls, start: int, end_inclusive: int) -> ImageSpan:
@@ -87,6 +96,15 @@ class ImageSpan:
     @property
     def length(self) -> int:
         return self.end - self.start
+
+    def stored(self, counts: Tensor) -> Tensor:
+        """Entries a plan keeping ``counts`` (any int tensor) stores: each rounded up until the
+        span's entries end on a page boundary, at most the span's length."""
+        size, offset = self.page
+        if size == 1:
+            return counts
+        filled = (counts + offset + size - 1) // size * size - offset
+        return filled.clamp_max(self.length)
 
 
 @dataclass

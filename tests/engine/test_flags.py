@@ -43,10 +43,10 @@ def error_of(prepare, *argv, model=None) -> str:
                                    f"{', '.join(known_methods())}; got 'lru'"),
     (["--unicache-min-image-tokens", "-3"], "--unicache-min-image-tokens: "),
     (["--unicache-config", "/nonexistent/u.json"], "--unicache-config: cannot read"),
-    (["--page-size", "16"], "--page-size 16: --unicache needs page size 1"),
     # SGLang pages the KV for this backend after parsing: the line names the backend, not a
     # --page-size nobody typed
-    (["--attention-backend", "trtllm_mha"], "--attention-backend trtllm_mha pages the KV cache"),
+    (["--attention-backend", "trtllm_mha"],
+     "--attention-backend trtllm_mha is not supported with --unicache (its Blackwell kernels"),
     (["--speculative-algorithm", "NGRAM"], "speculative decoding is not supported"),
     (["--enable-hierarchical-cache", "--hicache-storage-backend", "file"],
      "--hicache-storage-backend file: HiCache storage backends are not supported"),

@@ -34,8 +34,8 @@ SCRIPT = textwrap.dedent("""
     row_a = free[:81].to(torch.int32)
     keys, values = span_kv(16)
     spans = [SpanResult(4, 68, keys, values)]
-    write_spans(row_a, spans, k_buf, v_buf)
     a = plan_compaction(row_a, spans)
+    write_spans(a, spans, k_buf, v_buf)
     assert a.row.shape[0] == 81 - 48 and a.freed.numel() == 48
     # Request B reuses A's prefix through the tree (text + the 16 compressed entries + 1 token)
     # and adds its own 9 tokens; request C is text only.

@@ -31,5 +31,6 @@ def test_internvl_language_model_fields_are_checked():
 def test_a_paged_backend_is_named():
     for name in ("attention_backend", "decode_attention_backend"):
         reason = unsupported_setup(args(**{name: "trtllm_mha", "page_size": 64}), INTERNVL)
-        assert reason.startswith("--attention-backend trtllm_mha pages the KV cache")
-    assert unsupported_setup(args(page_size=16), INTERNVL).startswith("--page-size 16:")
+        assert reason.startswith("--attention-backend trtllm_mha is not supported with "
+                                 "--unicache (its Blackwell kernels read the KV pool heads-first")
+    assert unsupported_setup(args(page_size=16), INTERNVL) is None  # paged KV is served

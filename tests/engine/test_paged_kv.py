@@ -1,0 +1,80 @@
+"""``--unicache`` with a paged KV cache (``--page-size`` 16 and 64; the ``torch_native`` backend
+pages too): keep 1.0 answers as stock SGLang at the same page size; keep 0.1 holds whole pages
+fewer, each image ending on a page boundary; a later question reuses the image without encoding
+it again; a two-image request compresses both; nothing leaks (``check_integrity`` counts pages).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import assert_integrity
+from tests.support.client import answer, available_slots, chat, flush_cache, internal_state
+from tests.support.images import data_url, image_chat, solid_png
+from tests.support.tiny_vlm import build_tiny_qwen2_vl
+
+IMAGE_PX, IMAGE_TOKENS = 448, 256
+KEPT = 26  # keep 0.1 of a 256-token image, before rounding up to the span's last page
+CHATS = [((200, 30, 30), "what colour is it?"), ((30, 200, 30), "describe the picture"),
+         ((30, 30, 200), "is there a square?")]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_tiny_qwen2_vl(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl-448",
+                               image_size=IMAGE_PX)
+
+
+def ask(server, colour, question: str) -> dict:
+    return chat(server, image_chat(solid_png(colour, IMAGE_PX), question, max_tokens=8))
+
+
+def held_by(server, colour, question: str) -> tuple[str, int]:
+    """The answer, and the slots the request's KV holds in the tree once it finished."""
+    flush_cache(server)
+    before = available_slots(server)
+    out = ask(server, colour, question)
+    return answer(out), before - available_slots(server)
+
+
+@pytest.mark.parametrize("page", [16, 64])
+def test_paged_kv_identity_compression_and_reuse(serve, nocheck_config, page):
+    paged = ("--page-size", str(page))
+    stock = serve(*paged)
+    expected = [answer(ask(stock, colour, question)) for colour, question in CHATS]
+    _, stock_held = held_by(stock, (12, 34, 56), "what colour is it?")
+    stock.stop()
+    assert stock_held % page == 0
+
+    identity = serve("--unicache", "--unicache-keep-ratio", "1.0", *paged)
+    assert [answer(ask(identity, colour, question)) for colour, question in CHATS] == expected
+    assert internal_state(identity)["unicache"]["images_compressed"] == 0
+    assert_integrity(identity)
+    identity.stop()
+
+    server = serve("--unicache", "--unicache-keep-ratio", "0.1", "--unicache-config",
+                   nocheck_config, *paged)
+    _, held = held_by(server, (12, 34, 56), "what colour is it?")
+    first = internal_state(server)["unicache"]
+    assert first["images_compressed"] == 1
+    kept = first["compressed_slots_held"]
+    assert KEPT <= kept < KEPT + page  # rounded up to the end of the image's last page
+    assert stock_held - held >= IMAGE_TOKENS - kept - page  # whole pages given back
+    assert (stock_held - held) % page == 0 and held % page == 0
+    assert_integrity(server)
+
+    later = ask(server, (12, 34, 56), "where is the square?")
+    assert later["usage"]["prompt_tokens_details"]["cached_tokens"] >= kept
+    second = internal_state(server)["unicache"]
+    assert second["spans_reused"] == 1
+    assert second["images_prefilled"] == first["images_prefilled"]  # not encoded again
+    assert_integrity(server)
+
+    body = image_chat(solid_png((10, 120, 10), IMAGE_PX), "compare them", max_tokens=4)
+    body["messages"][0]["content"].insert(0, {"type": "image_url", "image_url": {
+        "url": data_url(solid_png((250, 250, 0), IMAGE_PX))}})
+    chat(server, body)
+    third = internal_state(server)["unicache"]
+    assert third["images_compressed"] - second["images_compressed"] == 2
+    assert third["compressed_slots_held"] - second["compressed_slots_held"] < 2 * (KEPT + page)
+    assert_integrity(server)
