@@ -93,7 +93,7 @@ class Controller:
                                        self.slots, self.tp, self.stats, self.outcomes,
                                        page_size=self.page_size)
         self.recall = (Recall(copies, self.targets, self.kv_pool, self.stats,
-                              cfg.keep_recalled_views)
+                              cfg.keep_recalled_views, page_size=self.page_size)
                        if copies is not None else None)
         self.compression.recall = self.recall
         self.reuse = Reuse(self.targets, lambda: self.spans, self.stats, self.active,
@@ -108,10 +108,6 @@ class Controller:
         cfg = self.config
         if not self.active or self.tree is None or cfg.host_copies == "off" \
                 or cfg.host_copy_gb <= 0:
-            return None
-        if self.page_size > 1:
-            logger.info("sglang-unicache: host copies off: --page-size %d (a recall loads "
-                        "whole pages; not built yet)", self.page_size)
             return None
         if not self.method.query_dependent:
             logger.info("sglang-unicache: host copies off: %s keeps the same entries whatever "

@@ -14,6 +14,9 @@ Three steps, each at a point SGLang already has:
    the device path held behind a compressed copy of it (an earlier turn of the same chat, say),
    copied from those slots. The device path names the history (compressed ids), the host path
    supplies the image (full ids); the history's KV is the same in both, at the same positions.
+   In a paged pool the prefix ends at the image's first page instead, and the load starts there:
+   the text before the image on that page (``lead``) is copied from the device path too. The
+   load takes whole pages; the prefill goes on in its last one.
    The plan is handed to SGLang's admission as a host hit of N + h tokens, so admission budgets
    it and calls ``init_load_back`` as for a HiCache load.
 3. **Load** (admission, ``init_load_back``): N + h slots are allocated and filled, owned by the
@@ -61,15 +64,21 @@ class RecallPlan:
     """A waiting request's recall, decided at match time."""
 
     key: HostKey
-    start: int  # the image's first position (the device prefix ends here)
+    start: int  # the image's first position
     length: int  # N
     history: int  # h: tokens after the image copied from the device path
     source: object  # the node the device match ended at (locked through admission)
     source_from: int  # where the history starts on that node's path
+    lead: int = 0  # paged pool: the text before the image on its first page, copied too
+
+    @property
+    def prefix(self) -> int:
+        """Where the device prefix ends and the load starts (a page boundary)."""
+        return self.start - self.lead
 
     @property
     def tokens(self) -> int:
-        return self.length + self.history
+        return self.lead + self.length + self.history
 
 
 @dataclass
@@ -86,6 +95,7 @@ class Recall:
     kv_pool: object
     stats: Stats
     keep_views: bool = False  # a recalled request's view enters the tree when it finishes
+    page_size: int = 1  # the pool's ``--page-size``: a load is whole pages
     tails: dict[str, torch.Tensor] = field(default_factory=dict)  # rid -> loaded, not yet in a row
 
     # -- 1. copy ----------------------------------------------------------------------------------
@@ -127,11 +137,11 @@ class Recall:
         state.rewrites = []
         state.reused = 0
         state.recall = plan
-        req.prefix_len = plan.start
-        req.kv.cache_protected_len = plan.start
+        req.prefix_len = plan.prefix
+        req.kv.cache_protected_len = plan.prefix
         req.host_hit_length = plan.tokens
         req.best_match_node = req.last_node
-        req.num_matched_prefix_tokens = plan.start + plan.tokens
+        req.num_matched_prefix_tokens = plan.prefix + plan.tokens
         return True
 
     def _plan(self, req, state) -> RecallPlan | None:
@@ -164,7 +174,13 @@ class Recall:
         history = min(history, len(ids) - 1 - end)
         if history < 0:
             return None
-        return RecallPlan(key, start, end - start, history, req.last_node, start + kept)
+        # A paged pool's prefix ends on a page boundary: the load starts at the image's first
+        # page, its text before the image copied from the device path (which holds it only in
+        # front of a compressed copy).
+        lead = start % self.page_size
+        if lead and span is None:
+            return None
+        return RecallPlan(key, start, end - start, history, req.last_node, start + kept, lead)
 
     # -- 3. load ----------------------------------------------------------------------------------
     def load(self, tree, req, host_hit_length: int) -> tuple[int, object] | None:
@@ -178,22 +194,28 @@ class Recall:
         copy = self.copies.get(plan.key)
         slots = None
         if copy is not None:
-            tree.evict_for(plan.tokens)
-            slots = tree.token_to_kv_pool_allocator.alloc(plan.tokens)
+            # Whole pages; the prefill goes on in the last one (SGLang's extend fills a
+            # request's partial page from its last slot on).
+            pages = -(-plan.tokens // self.page_size) * self.page_size
+            tree.evict_for(pages)
+            slots = tree.token_to_kv_pool_allocator.alloc(pages)
         if slots is None:
             self.stats.recall_lost += 1
             return 0, req.last_node  # prefilled instead
+        slots = slots[:plan.tokens]
         k_buffers, v_buffers = pool_buffers(self.kv_pool)
         device = k_buffers[0].device
         slots = slots.to(torch.int64)
-        image, history = slots[:plan.length], slots[plan.length:]
+        lead, image, history = slots.split([plan.lead, plan.length, plan.history])
         write_entries(k_buffers, v_buffers, image,
                       [self.copies.unpack(t, device) for t in copy.keys],
                       [self.copies.unpack(t, device) for t in copy.values])
-        if plan.history:
+        if plan.lead or plan.history:
             path = tree.path_device_indices(plan.source).to(torch.int64)
-            copy_slots(k_buffers, v_buffers, path[plan.source_from:plan.source_from +
-                                                   plan.history], history)
+            copy_slots(k_buffers, v_buffers,
+                       torch.cat([path[plan.prefix:plan.start],
+                                  path[plan.source_from:plan.source_from + plan.history]]),
+                       torch.cat([lead, history]))
         self.tails[req.rid] = slots
         alone = len(self.targets.image_spans(req)) == 1  # later images must enter the tree
         if alone and not self.keep_views and not req.skip_radix_cache_insert:

@@ -1,7 +1,9 @@
 """``--unicache`` with a paged KV cache (``--page-size`` 16 and 64; the ``torch_native`` backend
 pages too): keep 1.0 answers as stock SGLang at the same page size; keep 0.1 holds whole pages
-fewer, each image ending on a page boundary; a later question reuses the image without encoding
-it again; a two-image request compresses both; nothing leaks (``check_integrity`` counts pages).
+fewer, each image ending on a page boundary; a later question recalls the whole image from its
+host copy (and a chat turn its history), or, once the copy is gone, reuses the compressed span,
+without encoding the image again; a two-image request compresses both; nothing leaks
+(``check_integrity`` counts pages).
 """
 
 from __future__ import annotations
@@ -37,12 +39,19 @@ def held_by(server, colour, question: str) -> tuple[str, int]:
     return answer(out), before - available_slots(server)
 
 
+EXACT_COPY_BYTES = 256 * 256  # a 256-token image of the tiny model: 256 bytes a token
+ONE_COPY_GB = f"{1.5 * EXACT_COPY_BYTES / 2**30:.10f}"  # room for one exact copy, not two
+A, B = (12, 34, 56), (200, 180, 20)
+
+
 @pytest.mark.parametrize("page", [16, 64])
-def test_paged_kv_identity_compression_and_reuse(serve, nocheck_config, page):
+def test_paged_kv_identity_compression_recall_and_reuse(serve, nocheck_config, page):
     paged = ("--page-size", str(page))
     stock = serve(*paged)
     expected = [answer(ask(stock, colour, question)) for colour, question in CHATS]
-    _, stock_held = held_by(stock, (12, 34, 56), "what colour is it?")
+    _, stock_held = held_by(stock, A, "what colour is it?")
+    later_question = image_chat(solid_png(A, IMAGE_PX), "where is the square?", max_tokens=1)
+    stock_later = answer(chat(stock, later_question))
     stock.stop()
     assert stock_held % page == 0
 
@@ -53,28 +62,49 @@ def test_paged_kv_identity_compression_and_reuse(serve, nocheck_config, page):
     identity.stop()
 
     server = serve("--unicache", "--unicache-keep-ratio", "0.1", "--unicache-config",
-                   nocheck_config, *paged)
-    _, held = held_by(server, (12, 34, 56), "what colour is it?")
+                   nocheck_config, "--unicache-host-copies", "exact",
+                   "--unicache-host-copy-gb", ONE_COPY_GB, *paged)
+    first_answer, held = held_by(server, A, "what colour is it?")
     first = internal_state(server)["unicache"]
-    assert first["images_compressed"] == 1
+    assert first["images_compressed"] == 1 and first["host_copies"] == 1
     kept = first["compressed_slots_held"]
     assert KEPT <= kept < KEPT + page  # rounded up to the end of the image's last page
     assert stock_held - held >= IMAGE_TOKENS - kept - page  # whole pages given back
     assert (stock_held - held) % page == 0 and held % page == 0
     assert_integrity(server)
 
-    later = ask(server, (12, 34, 56), "where is the square?")
-    assert later["usage"]["prompt_tokens_details"]["cached_tokens"] >= kept
+    # A later question recalls the whole image from its host copy, from the image's first page
+    # on: its first token is computed over every image token, as stock computes it.
+    later = chat(server, later_question)
+    assert answer(later) == stock_later
+    assert later["usage"]["prompt_tokens_details"]["cached_tokens"] >= IMAGE_TOKENS
     second = internal_state(server)["unicache"]
-    assert second["spans_reused"] == 1
+    assert second["spans_recalled"] == 1
     assert second["images_prefilled"] == first["images_prefilled"]  # not encoded again
     assert_integrity(server)
 
-    body = image_chat(solid_png((10, 120, 10), IMAGE_PX), "compare them", max_tokens=4)
-    body["messages"][0]["content"].insert(0, {"type": "image_url", "image_url": {
-        "url": data_url(solid_png((250, 250, 0), IMAGE_PX))}})
+    # The next turn of the first chat recalls the image and copies its history, to a page.
+    body = image_chat(solid_png(A, IMAGE_PX), "what colour is it?", max_tokens=8)
+    body["messages"] += [{"role": "assistant", "content": first_answer},
+                         {"role": "user", "content": "is there a square?"}]
     chat(server, body)
     third = internal_state(server)["unicache"]
-    assert third["images_compressed"] - second["images_compressed"] == 2
-    assert third["compressed_slots_held"] - second["compressed_slots_held"] < 2 * (KEPT + page)
+    assert third["spans_recalled"] == 2 and third["images_prefilled"] == first["images_prefilled"]
+    assert_integrity(server)
+
+    # Image B's copy takes the host budget: a question about A reuses its compressed span.
+    ask(server, B, "what colour is it?")
+    assert internal_state(server)["unicache"]["host_copies_evicted"] == 1
+    ask(server, A, "is it large?")
+    fourth = internal_state(server)["unicache"]
+    assert fourth["spans_reused"] == 1 and fourth["spans_recalled"] == 2
+    assert fourth["images_prefilled"] == third["images_prefilled"] + 1  # B's only
+    assert_integrity(server)
+
+    two = image_chat(solid_png((10, 120, 10), IMAGE_PX), "compare them", max_tokens=4)
+    two["messages"][0]["content"].insert(0, {"type": "image_url", "image_url": {
+        "url": data_url(solid_png((250, 250, 0), IMAGE_PX))}})
+    chat(server, two)
+    fifth = internal_state(server)["unicache"]
+    assert fifth["images_compressed"] - fourth["images_compressed"] == 2
     assert_integrity(server)
