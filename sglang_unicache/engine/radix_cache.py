@@ -411,10 +411,14 @@ class CompressedRadixCache(UnifiedRadixCache):
         if k_new >= meta.count:
             return 0
         new_ids = settings.naming.ids(meta.pad, meta.start, k_new, meta.variant)
-        if at == 0:
-            sibling = node.parent.children.get(
-                RadixKey(array("q", new_ids[:1]), node.key.extra_key,
-                         cache_salt=node.key.cache_salt).child_key(self.page_size))
+        key = RadixKey(array("q", list(node.key.raw_token_ids()[:at]) + list(new_ids)),
+                       node.key.extra_key, cache_salt=node.key.cache_salt)
+        # The parent finds the node by its key's first page (first token at page size 1):
+        # a span starting there re-keys the node.
+        old_child_key, child_key = (node.key.child_key(self.page_size),
+                                    key.child_key(self.page_size))
+        if child_key != old_child_key:
+            sibling = node.parent.children.get(child_key)
             if sibling is not None and sibling is not node:
                 # The same image at the smaller budget is already a sibling (another request
                 # compressed it with that K, or AirCache's K differed): drop this copy instead
@@ -428,12 +432,10 @@ class CompressedRadixCache(UnifiedRadixCache):
 
         old_first, old_count = meta.ids[0], meta.count
         meta.shrink(keep, new_ids)
-        ids = array("q", list(node.key.raw_token_ids()[:at]) + list(meta.ids))
-        old_child_key = node.key.child_key(self.page_size)
-        node.key = RadixKey(ids, node.key.extra_key, cache_salt=node.key.cache_salt)
-        if at == 0:
+        node.key = key
+        if child_key != old_child_key:
             node.parent.children.pop(old_child_key)
-            node.parent.children[node.key.child_key(self.page_size)] = node
+            node.parent.children[child_key] = node
         cd.value = torch.cat([value[:at], slots[:k_new]])
         spans = spans_of(node)
         spans.pop(old_first)

@@ -108,3 +108,30 @@ def test_paged_kv_identity_compression_recall_and_reuse(serve, nocheck_config, p
     fifth = internal_state(server)["unicache"]
     assert fifth["images_compressed"] - fourth["images_compressed"] == 2
     assert_integrity(server)
+
+
+def test_paged_pressure_recompresses_to_whole_pages_and_the_span_stays_reusable(
+        serve, nocheck_config):
+    """A small paged pool under a stream of distinct images: a cached span is re-compressed to
+    a page boundary (whole pages freed) before it is evicted, and a later question reuses it."""
+    page = 16
+    server = serve("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio", "0.5",
+                   "--unicache-config", nocheck_config, "--max-total-tokens", "1280",
+                   "--page-size", str(page))
+    flush_cache(server)
+    ask(server, A, "what colour is it?")
+    kept = internal_state(server)["unicache"]["compressed_slots_held"]
+    assert 128 <= kept < 128 + page
+    for i in range(20):
+        ask(server, (10, 12 * i, 200), "what is it?")
+        if internal_state(server)["unicache"]["spans_recompressed"]:
+            break
+    state = internal_state(server)["unicache"]
+    assert state["spans_recompressed"] >= 1, "the pool filled up without any re-compression"
+    assert state["recompress_slots_freed"] >= page and state["recompress_slots_freed"] % page == 0
+    assert_integrity(server)
+    ask(server, A, "describe it")
+    after = internal_state(server)["unicache"]
+    assert after["spans_reused"] == state["spans_reused"] + 1
+    assert after["images_prefilled"] == state["images_prefilled"], "image encoded again"
+    assert_integrity(server)
