@@ -135,3 +135,24 @@ def test_paged_pressure_recompresses_to_whole_pages_and_the_span_stays_reusable(
     assert after["spans_reused"] == state["spans_reused"] + 1
     assert after["images_prefilled"] == state["images_prefilled"], "image encoded again"
     assert_integrity(server)
+
+
+def test_paged_hicache_demotes_compressed_spans_and_loads_them_back(serve, nocheck_config):
+    """``--enable-hierarchical-cache`` on a paged pool too small for the stream: compressed
+    spans go to host memory and a later question loads its image's span back (not encoded or
+    prefilled again)."""
+    images = 12
+    server = serve("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio", "0.25",
+                   "--unicache-config", nocheck_config, "--max-total-tokens", "960",
+                   "--enable-hierarchical-cache", "--hicache-size", "1", "--page-size", "16")
+    colours = [(20 + 17 * i, 200 - 13 * i, (40 * i) % 256) for i in range(images)]
+    for colour in colours:
+        ask(server, colour, "what colour is it?")
+    outs = [ask(server, colour, "what shape is it?") for colour in colours]
+    state = internal_state(server)["unicache"]
+    assert state["images_compressed"] == images and state["images_prefilled"] == images
+    assert state["spans_reused"] == images, "a span was recomputed instead of loaded back"
+    assert state["spans_loaded_back"] >= 1, state
+    assert all(out["usage"]["prompt_tokens_details"]["cached_tokens"] >= IMAGE_TOKENS
+               for out in outs)
+    assert_integrity(server)
