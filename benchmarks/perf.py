@@ -4,7 +4,8 @@ Each measurement starts stock SGLang and the plugin on the same model, pool and 
 same run, and reports ratios. Numbers are read from the allocator (``/server_info``), never
 estimated.
 
-1. memory: KV slots (and bytes) one cached image holds in the tree, per keep ratio, vs stock.
+1. memory: KV slots (and bytes) one cached image holds in the tree, per keep ratio, vs stock;
+   ``memory-paged``: the same by ``--page-size`` (``--page-sizes``).
 2. capacity: distinct images still resident in a pool sized for ~8 uncompressed images, after a
    stream of distinct images (``capacity-trained``: the same on the bundled trained model;
    ``capacity-hicache``: with HiCache's host tier, whose resident spans count).
@@ -128,6 +129,41 @@ def memory_per_image(model: Path, config: Path, ratios: list[float], log_dir: Pa
         row["bytes"] = row["image_slots"] * slot_bytes(model, 1 if "fp8" in row["server"] else 2)
         row["ratio_vs_stock"] = round(row["image_slots"] / stock, 3)
         row["bytes_vs_stock_bf16"] = round(row["bytes"] / (stock * slot_bytes(model)), 3)
+    return rows
+
+
+def memory_paged(model: Path, config: Path, page_sizes: list[int], log_dir: Path) -> list[dict]:
+    """Memory per cached image by ``--page-size``: stock, key-norm at keep 0.1 (self-check off)
+    and the defaults as shipped at each page size. A paged tree holds whole pages (the prompt's
+    last partial page is not cached), so rows report the slots the cached prompt holds (read
+    from the allocator) and the entries the image keeps (``compressed_slots_held``)."""
+    rows = []
+    for page in page_sizes:
+        paged = ["--page-size", str(page)]
+        servers = [("stock", flags_for(None, 1.0, config)),
+                   ("unicache knorm keep 0.1", flags_for("knorm", 0.1, config)),
+                   ("--unicache, defaults as shipped", SHIPPED)]
+        for name, flags in servers:
+            server = start_server(model, flags + paged, log_dir / "mem-paged.log")
+            try:
+                held, kept = [], []
+                for i in range(3):
+                    flush_cache(server)
+                    before = available_slots(server)
+                    ask(server, i)
+                    held.append(before - available_slots(server))
+                    state = internal_state(server).get("unicache") or {}
+                    kept.append(state.get("compressed_slots_held") or 256)
+                stats = internal_state(server).get("unicache") or {}
+            finally:
+                server.stop()
+            rows.append({"page_size": page, "server": name, "prompt_slots": max(held),
+                         "image_entries": max(kept),
+                         "images_compressed": stats.get("images_compressed", 0)})
+    for row in rows:
+        stock = next(r for r in rows if r["page_size"] == row["page_size"]
+                     and r["server"] == "stock")
+        row["prompt_slots_vs_stock"] = round(row["prompt_slots"] / stock["prompt_slots"], 3)
     return rows
 
 
@@ -256,6 +292,7 @@ def main() -> None:
                         help="checkpoint of the decode part (default: a wider tiny Qwen2-VL, "
                              "see DECODE_MODEL)")
     parser.add_argument("--ratios", default="0.05,0.1,0.25,0.5")
+    parser.add_argument("--page-sizes", default="1,16,64", help="memory-paged: --page-size values")
     parser.add_argument("--methods", default="knorm,snapkv,h2o,pyramidkv,aircache,unicache")
     parser.add_argument("--stream", type=int, default=400,
                         help="capacity: distinct images streamed")
@@ -297,6 +334,9 @@ def main() -> None:
     if "memory" in parts:
         results["memory"] = memory_per_image(model, config,
                                              [float(r) for r in args.ratios.split(",")], log_dir)
+    if "memory-paged" in parts:
+        results["memory-paged"] = memory_paged(
+            model, config, [int(p) for p in args.page_sizes.split(",")], log_dir)
     capacity_rows = only_rows(capacity_servers(config, 0.1), args.rows)
     if "capacity" in parts:
         results["capacity"] = capacity(model, config, 0.1, args.stream, log_dir,
