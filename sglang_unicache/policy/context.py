@@ -22,7 +22,9 @@ from sglang_unicache.policy.kernels import window_colsum, window_lse
 from sglang_unicache.policy.kernels.reference import (
     causal_logits,
     colsum_from_logits,
+    colsum_from_probs,
     lse_from_logits,
+    probs_from_logits,
 )
 from sglang_unicache.policy.ranks import ONE_RANK, HeadShards
 
@@ -54,6 +56,7 @@ class PlanContext:
     shards: HeadShards = ONE_RANK
     _cache: dict[tuple[str, int], Any] = field(default_factory=dict, init=False, repr=False)
     _logits: dict[int, Tensor] = field(default_factory=dict, init=False, repr=False)
+    _probs: dict[int, Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         inp = self.inputs
@@ -197,15 +200,32 @@ class PlanContext:
     def group(self) -> int:
         return self.inputs.obs_queries[0].shape[1] // self.inputs.num_kv_heads
 
+    def probs(self, layer: int) -> Tensor | None:
+        """Softmax probabilities ``[H, G, W, T]`` of the observation queries over all visible keys,
+        kept for the latest layer only (``received`` and ``received_from_text`` both read them);
+        None when the logits are not kept (``logits``)."""
+        lg = self.logits(layer)
+        if lg is None:
+            return None
+        if layer not in self._probs:
+            self._probs.clear()
+            self._probs[layer] = probs_from_logits(lg, self.lse(layer))
+        return self._probs[layer]
+
+    def _colsum_all(self, layer: int, row_weight: Tensor | None) -> Tensor:
+        """``[H, T]`` attention received over all visible keys, queries weighted by
+        ``row_weight``."""
+        p = self.probs(layer)
+        if p is None:
+            return self.window_colsum(layer, self.lse(layer), row_weight=row_weight)
+        return colsum_from_probs(p, row_weight=row_weight)
+
     def received(self, layer: int) -> Tensor:
         """Mean attention each key receives from the W observation queries (and group heads)."""
         return self.cached(
             "received",
             layer,
-            lambda: (
-                self.window_colsum(layer, self.lse(layer))
-                / (self.obs_positions.numel() * self.group)
-            ),
+            lambda: self._colsum_all(layer, None) / (self.obs_positions.numel() * self.group),
         )
 
     def received_from_text(self, layer: int) -> Tensor:
@@ -213,7 +233,7 @@ class PlanContext:
 
         def fn() -> Tensor:
             rw = self.query_is_text.float()
-            out = self.window_colsum(layer, self.lse(layer), row_weight=rw)
+            out = self._colsum_all(layer, rw)
             return out / (rw.sum().clamp_min(1.0) * self.group)
 
         return self.cached("received_text", layer, fn)
@@ -246,11 +266,18 @@ class PlanContext:
 
     def unit_kv(self, layer: int) -> Tensor:
         """``[T, H, 2D]`` fp32 unit keys and values (``signals.unit_kv``), shared by the
-        redundancy signal and the merge reducer's nearest-entry search."""
-        return self.cached("unit_kv", layer,
-                           lambda: signals.unit_kv(self.keys(layer), self.values(layer)))
+        redundancy signal and the merge reducer's nearest-entry search. The key norms computed
+        on the way are kept as ``key_norm``."""
+
+        def fn() -> Tensor:
+            x, norms = signals.unit_kv_norms(self.keys(layer), self.values(layer))
+            self.cached("key_norm", layer, lambda: norms[..., 0].T.contiguous())
+            return x
+
+        return self.cached("unit_kv", layer, fn)
 
     def key_norm(self, layer: int) -> Tensor:
+        """``[H, T]`` fp32 L2 norm of each key."""
         return self.cached(
             "key_norm", layer, lambda: self.keys(layer).float().norm(dim=-1).T.contiguous()
         )

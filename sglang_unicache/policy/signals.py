@@ -2,7 +2,7 @@
 positions.
 
 All take and return fp32 tensors; none loops over tokens or heads in Python (loops are over the
-neighbour offsets 1..k only).
+neighbour offsets 1..k, and over blocks of rows in ``raster_redundancy``).
 """
 
 from __future__ import annotations
@@ -13,17 +13,21 @@ import torch.nn.functional as F
 Tensor = torch.Tensor
 
 
-def masked_minmax(x: Tensor, mask: Tensor) -> Tensor:
-    """Min-max normalise ``x [H, T]`` to [0, 1] over the columns where ``mask [T]`` is True, per
-    row; other columns become 0. A constant row maps to 0.5 (no preference). Seed §2.3: attention
-    is normalised *within* a modality, never globally."""
-    big = torch.finfo(torch.float32).max
-    m = mask.unsqueeze(0)
-    lo = torch.where(m, x, big).amin(dim=1, keepdim=True)
-    hi = torch.where(m, x, -big).amax(dim=1, keepdim=True)
+def masked_minmax(x: Tensor, mask: Tensor | None) -> Tensor:
+    """Min-max normalise ``x [H, T]`` to [0, 1] over the columns where ``mask [T]`` is True (None:
+    every column), per row; other columns become 0. A constant row maps to 0.5 (no preference).
+    Seed §2.3: attention is normalised *within* a modality, never globally."""
+    if mask is None:
+        lo = x.amin(dim=1, keepdim=True)
+        hi = x.amax(dim=1, keepdim=True)
+    else:
+        big = torch.finfo(torch.float32).max
+        m = mask.unsqueeze(0)
+        lo = torch.where(m, x, big).amin(dim=1, keepdim=True)
+        hi = torch.where(m, x, -big).amax(dim=1, keepdim=True)
     span = hi - lo
     out = torch.where(span > 1e-12, (x - lo) / span.clamp_min(1e-12), torch.full_like(x, 0.5))
-    return torch.where(m, out, torch.zeros_like(out))
+    return out if mask is None else torch.where(m, out, torch.zeros_like(out))
 
 
 def by_modality_minmax(x: Tensor, is_visual: Tensor) -> Tensor:
@@ -34,8 +38,18 @@ def by_modality_minmax(x: Tensor, is_visual: Tensor) -> Tensor:
 def unit_kv(keys: Tensor, values: Tensor) -> Tensor:
     """``[T, H, 2D]`` fp32: each token's unit key and unit value side by side, scaled so that
     the dot product of two rows is the mean of their key cosine and value cosine."""
-    x = torch.cat([F.normalize(keys.float(), dim=-1), F.normalize(values.float(), dim=-1)], -1)
-    return x / 2**0.5
+    return unit_kv_norms(keys, values)[0]
+
+
+def unit_kv_norms(keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+    """(``unit_kv``, ``[T, H, 2]`` the L2 norms of each key and value). One fp32 buffer
+    normalised in place: the same numbers as ``F.normalize`` of K and V apart, concatenated."""
+    t, h, d = keys.shape
+    x = torch.cat([keys, values], -1).float()
+    halves = x.view(t, h, 2, d)
+    norms = halves.norm(dim=-1, keepdim=True)
+    halves.div_(norms.clamp_min(1e-12))
+    return x.div_(2**0.5), norms.squeeze(-1)
 
 
 def neighbour_redundancy(keys: Tensor, values: Tensor, run_id: Tensor, k: int) -> Tensor:
@@ -48,14 +62,20 @@ def neighbour_redundancy(keys: Tensor, values: Tensor, run_id: Tensor, k: int) -
     return raster_redundancy(unit_kv(keys, values), run_id, k)
 
 
-def raster_redundancy(x: Tensor, run_id: Tensor, k: int) -> Tensor:
-    """``neighbour_redundancy`` of ``x = unit_kv(keys, values)``."""
+def raster_redundancy(x: Tensor, run_id: Tensor, k: int, rows: int = 1024) -> Tensor:
+    """``neighbour_redundancy`` of ``x = unit_kv(keys, values)``. The products of neighbours
+    are reduced ``rows`` tokens at a time, so the temporary stays in cache (each row's sum is
+    the same whatever the chunk)."""
     t, h, _ = x.shape
     total = torch.zeros(t, h, device=x.device)
     count = torch.zeros(t, 1, device=x.device)
     for off in range(1, min(k, t - 1) + 1):
         same = (run_id[off:] == run_id[:-off]).float().unsqueeze(-1)  # [T-off, 1]
-        sim = (x[off:] * x[:-off]).sum(-1) * same  # [T-off, H]
+        sim = torch.empty(t - off, h, device=x.device)
+        for a in range(0, t - off, rows):
+            b = min(t - off, a + rows)
+            torch.sum(x[off + a : off + b] * x[a:b], -1, out=sim[a:b])
+        sim *= same  # [T-off, H]
         total[off:] += sim
         total[:-off] += sim
         count[off:] += same

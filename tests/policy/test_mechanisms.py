@@ -163,7 +163,7 @@ def test_failed_selfcheck_escalates_the_budget_before_falling_back() -> None:
 
 def test_an_escalation_reuses_what_does_not_depend_on_the_plan(monkeypatch) -> None:
     """Each re-plan at a doubled K recomputes only what K changes. The self-check's
-    attention over the whole request (two passes per checked layer) and the merge's unit K/V
+    attention over the whole request (once per checked layer) and the merge's unit K/V
     are computed once per request, however many times the check escalates."""
     from sglang_unicache.policy.checks import selfcheck
     from sglang_unicache.policy.reducers import merge
@@ -172,7 +172,7 @@ def test_an_escalation_reuses_what_does_not_depend_on_the_plan(monkeypatch) -> N
     q = torch.stack([inp.keys[li][[7, 7, 7, 63, 63, 63]] * 6.0 for li in range(3)])
     inp = ScoreInputs(inp.keys, inp.values, inp.spans, obs_queries=q)
     calls = {"attend": [], "unit": []}
-    attend, unit = selfcheck.window_attend, merge.unit_kv
+    attend, unit = selfcheck.reference_attention, merge.unit_kv
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
@@ -180,13 +180,13 @@ def test_an_escalation_reuses_what_does_not_depend_on_the_plan(monkeypatch) -> N
             return fn(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(selfcheck, "window_attend", counted("attend", attend))
+    monkeypatch.setattr(selfcheck, "reference_attention", counted("attend", attend))
     monkeypatch.setattr(merge, "unit_kv", counted("unit", unit))
     cfg = UniCacheConfig(keep_ratio=0.05, selfcheck_threshold=1e-6, escalate_max_keep=0.4,
                          selfcheck_layers=2)
     plan = build_method(cfg).plan(inp)
     assert plan.escalations == 3 and plan.fallback
-    assert len(calls["attend"]) == 2 * 2  # full and rest-of-request, per checked layer, once
+    assert [layer for layer, *_ in calls["attend"]] == [1, 2]  # per checked layer, once
     units = [(layer, sl.start) for layer, sl in calls["unit"]]  # (layer, span) of each call
     assert units and len(units) == len(set(units))  # merges happened, each pair computed once
 
@@ -404,7 +404,7 @@ def test_hopeless_levels_are_skipped_with_the_same_outcome(monkeypatch, method, 
 
     def outcome(plan):
         kept = [[lp.kept.tolist() for lp in sp.layers] for sp in plan.spans]
-        return plan.keep_ratio, plan.escalations, plan.fallback, plan.selfcheck.stats, kept
+        return plan.keep_ratio, plan.escalations, plan.fallback, plan.selfcheck.passed, kept
 
     planned = []
     plan_spans = Method._plan_spans
@@ -428,6 +428,9 @@ def test_hopeless_levels_are_skipped_with_the_same_outcome(monkeypatch, method, 
                 planned.clear()
                 slow = build_method(cfg).plan(inp)
             assert outcome(fast) == outcome(slow)
+            # key_coverage reuses the levels checked before it (``selfcheck.key_coverage``):
+            # the same number up to float rounding
+            assert fast.selfcheck.stats == pytest.approx(slow.selfcheck.stats, rel=1e-6)
             assert fast_plans <= len(planned)
             skipped_any |= fast_plans < len(planned)
     assert skipped_any, "no case had a hopeless level: the test shows nothing"

@@ -62,7 +62,11 @@ import torch
 
 from sglang_unicache.policy.config import SELFCHECK_STATISTICS
 from sglang_unicache.policy.executor import execute_layer
-from sglang_unicache.policy.kernels.reference import _logits, window_attend
+from sglang_unicache.policy.kernels.reference import (
+    _logits,
+    attend_from_logits,
+    window_attend,
+)
 from sglang_unicache.policy.plans import CompressionPlan, SelfCheckResult
 
 Tensor = torch.Tensor
@@ -70,11 +74,51 @@ Tensor = torch.Tensor
 CONTENT_LAYER = 0  # content_lost reads the first layer: the image as the vision encoder gave it
 
 
+def reference_attention(ctx, layer: int, q: Tensor, pos: Tensor, rows: Tensor,
+                        spans: tuple) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
+    """The attention of the observation queries ``q`` (``rows`` of the window, at ``pos``) over
+    the full request, plan-independent: ``(out_p, lse_p, out_rest, lse_rest, l_orig)``, the
+    output ``[H, G, W', D]`` and normaliser ``[H, G, W']`` over every key and over the keys
+    outside the spans, and each span's logits ``[H, G, W', N]`` (``-inf`` where a query does
+    not see it).
+
+    When the context keeps the layer's logits (no head merging, T within ``stats_chunk``) they
+    are sliced, not recomputed: the rest is attended over its own columns and the full output
+    is the rest's, rescaled, plus each span's. Otherwise two chunked passes (``window_attend``)."""
+    inp = ctx.inputs
+    keys, values = inp.keys[layer], inp.values[layer]
+    compressed = torch.zeros(inp.num_tokens, dtype=torch.bool, device=keys.device)
+    for start, end in spans:
+        compressed[start:end] = True
+    lg = ctx.logits(layer) if ctx.head_clusters(layer) is None else None
+    if lg is None:
+        out_p, lse_p = window_attend(q, keys, values, inp.scale, pos, None, ctx.stats_chunk)
+        out_rest, lse_rest = window_attend(q, keys, values, inp.scale, pos, ~compressed,
+                                           ctx.stats_chunk)
+        l_orig = [_logits(q, keys[start:end], inp.scale)
+                  .masked_fill(~(pos >= end - 1).view(1, 1, -1, 1), float("-inf"))
+                  for start, end in spans]
+        return out_p, lse_p, out_rest, lse_rest, l_orig
+    lg = lg[:, :, rows]  # causal: a valid query sees a span whole or not at all
+    rest = (~compressed).nonzero().flatten()
+    l_rest = lg[..., rest]
+    lse_rest = torch.logsumexp(l_rest, dim=-1)
+    out_rest = attend_from_logits(l_rest, lse_rest, values[rest])
+    lse_p = torch.logsumexp(lg, dim=-1)
+    safe_p = torch.where(torch.isfinite(lse_p), lse_p, torch.zeros_like(lse_p))
+    out_p = out_rest * torch.exp(lse_rest - safe_p).nan_to_num(0.0).unsqueeze(-1)
+    l_orig = [lg[..., start:end] for start, end in spans]
+    for (start, end), lo in zip(spans, l_orig, strict=True):
+        out_p = out_p + attend_from_logits(lo, lse_p, values[start:end])
+    return out_p, lse_p, out_rest, lse_rest, l_orig
+
+
 def _reference(ctx, layer: int, spans: tuple) -> dict | None:
     """Everything of one layer's check that does not depend on the plan, computed once per
     ``Method.plan`` (an escalation re-plans at a larger K and reuses it): the valid observation
-    queries, the full and the rest-of-request attention over them, each span's original logits
-    and unit keys. None when no observation query is valid."""
+    queries, the full and the rest-of-request attention over them (``reference_attention``),
+    each span's original log-probabilities, probabilities and unit keys, the attention on the
+    images. None when no observation query is valid."""
 
     def compute() -> dict | None:
         inp = ctx.inputs
@@ -85,23 +129,62 @@ def _reference(ctx, layer: int, spans: tuple) -> dict | None:
         if not bool(valid.any()):
             return None
         q, pos = inp.obs_queries[layer][valid], pos[valid]
-        keys, values = inp.keys[layer], inp.values[layer]
-        compressed = torch.zeros(inp.num_tokens, dtype=torch.bool, device=keys.device)
-        for start, end in spans:
-            compressed[start:end] = True
-        out_p, lse_p = window_attend(q, keys, values, inp.scale, pos, None, ctx.stats_chunk)
-        out_rest, lse_rest = window_attend(q, keys, values, inp.scale, pos, ~compressed,
-                                           ctx.stats_chunk)
-        per_span = []
-        for start, end in spans:
+        out_p, lse_p, out_rest, lse_rest, l_orig = reference_attention(
+            ctx, layer, q, pos, valid, spans)
+        per_span, image_p = [], torch.zeros_like(lse_p)
+        for (start, end), lo in zip(spans, l_orig, strict=True):
             sees = (pos >= end - 1).view(1, 1, -1, 1)
-            l_orig = _logits(q, keys[start:end], inp.scale).masked_fill(~sees, float("-inf"))
+            log_p = lo - lse_p.unsqueeze(-1)
+            p_span = torch.exp(log_p)
+            image_p = image_p + p_span.sum(-1)
             unit = torch.nn.functional.normalize(ctx.keys(layer)[start:end].float(), dim=-1)
-            per_span.append((sees, l_orig, unit.transpose(0, 1)))  # unit: [H, N, D]
+            per_span.append((sees, log_p, p_span, unit.transpose(0, 1)))  # unit: [H, N, D]
         return {"q": q, "out_p": out_p, "lse_p": lse_p, "out_rest": out_rest,
-                "lse_rest": lse_rest, "spans": per_span}
+                "lse_rest": lse_rest, "image_p": image_p, "spans": per_span}
 
     return ctx.cached(f"selfcheck reference {spans}", layer, compute)
+
+
+def key_coverage(unit: Tensor, kept: Tensor, seen: dict) -> Tensor:
+    """``[H]`` ``key_coverage`` of one span: ``1 - max cos(k, kept k)`` averaged over its tokens,
+    from unit keys ``[H, N, D]`` and the kept tokens ``[H, K]``. A kept token covers itself
+    (its term is 0), so only the others are compared with the kept keys. ``seen`` carries the
+    span's previous level (an escalation doubles K): when this level keeps every token that
+    one kept, only the keys new to this level are compared, and the maxima over the others are
+    reused."""
+    h, n, _ = unit.shape
+    k = kept.shape[1]
+    heads = torch.arange(h, device=unit.device).unsqueeze(1)
+    is_kept = torch.zeros(h, n, dtype=torch.int8, device=unit.device).scatter_(1, kept, 1)
+    others = torch.argsort(is_kept, dim=1, stable=True)[:, : n - k]  # [H, N - K]
+    cols, near = kept, None
+    if "kept" in seen and bool((seen["kept"] <= is_kept).all()):
+        new = torch.argsort(is_kept - seen["kept"], dim=1, descending=True, stable=True)
+        cols, near = new[:, : k - seen["k"]], seen["near"].gather(1, others)
+    if cols.shape[1] > 0:
+        sim = torch.bmm(unit[heads, others], unit[heads, cols].transpose(1, 2)).amax(-1)
+        near = sim if near is None else torch.maximum(near, sim)
+    seen.update(kept=is_kept, k=k, near=torch.zeros_like(unit[:, :, 0]).scatter_(1, others, near))
+    return (1.0 - near).sum(-1) / n
+
+
+def member_kl(log_qc: Tensor, log_p: Tensor, assign: Tensor, weight: Tensor) -> Tensor:
+    """``[H, G, W]``: one span's part of ``KL(Q~ || P)``, ``sum q~ (log q~ - log p)`` over its
+    tokens, where entry j's log-probability ``log_qc [H, G, W, K]`` is split among its members
+    by their merge weights and ``log_p [H, G, W, N]`` is the original. An evicted token has
+    q~ = 0 and adds nothing, so only members are visited (per head, padded to the largest
+    member count)."""
+    h, g, w, _ = log_qc.shape
+    member = assign >= 0
+    m = int(member.sum(1).max())
+    tok = torch.argsort(member.to(torch.int8), dim=1, descending=True, stable=True)[:, :m]
+    ok = member.gather(1, tok).view(h, 1, 1, m)
+    entry = assign.gather(1, tok).long().clamp_min(0).view(h, 1, 1, m).expand(h, g, w, m)
+    log_w = torch.log(weight.gather(1, tok).float().clamp_min(1e-30)).view(h, 1, 1, m)
+    log_qt = torch.gather(log_qc, 3, entry) + log_w
+    log_pt = torch.gather(log_p, 3, tok.view(h, 1, 1, m).expand(h, g, w, m))
+    term = torch.exp(log_qt) * (log_qt - log_pt)
+    return torch.where(ok & torch.isfinite(term), term, torch.zeros_like(term)).sum(-1)
 
 
 def layer_stats(ctx, layer: int, plans: list[CompressionPlan]) -> Tensor | None:
@@ -116,39 +199,30 @@ def layer_stats(ctx, layer: int, plans: list[CompressionPlan]) -> Tensor | None:
         return None
     q, lse_p, lse_rest = ref["q"], ref["lse_p"], ref["lse_rest"]
     parts, coverage = [], []
-    for p, (sees, l_orig, unit) in zip(plans, ref["spans"], strict=True):
+    for p, (sees, log_p, p_span, unit) in zip(plans, ref["spans"], strict=True):
         sl = slice(p.span.start, p.span.end)
         lp = p.layers[layer]
         k_c, v_c = execute_layer(lp, ctx.keys(layer)[sl], ctx.values(layer)[sl])
         l_comp = _logits(q, k_c, inp.scale).masked_fill(~sees, float("-inf"))
-        parts.append((lp, l_orig, l_comp, v_c))
-        kept = torch.gather(unit, 1, lp.kept.long().unsqueeze(-1).expand(-1, -1, unit.shape[-1]))
-        coverage.append(1.0 - torch.bmm(unit, kept.transpose(1, 2)).amax(-1).mean(-1))  # [H]
+        parts.append((lp, log_p, p_span, l_comp, v_c))
+        seen = ctx.cached(f"selfcheck coverage {p.span.start}", layer, dict)
+        coverage.append(key_coverage(unit, lp.kept, seen))
     lse_q = lse_rest
-    for _, _, l_comp, _ in parts:
+    for *_, l_comp, _ in parts:
         lse_q = torch.logaddexp(lse_q, torch.logsumexp(l_comp, dim=-1))
     safe_q = torch.where(torch.isfinite(lse_q), lse_q, torch.zeros_like(lse_q))
     out_q = ref["out_rest"] * torch.exp(lse_rest - safe_q).nan_to_num(0.0).unsqueeze(-1)
     kl = torch.exp(lse_rest - lse_q).nan_to_num(0.0) * (lse_p - lse_q)
-    image_p = torch.zeros_like(lse_p)
     image_kept = torch.zeros_like(lse_p)
-    for lp, l_orig, l_comp, v_c in parts:
+    for lp, log_p, p_span, l_comp, v_c in parts:
         log_qc = l_comp - safe_q.unsqueeze(-1)  # [H, G, W, K]
         h, g, w, _ = log_qc.shape
         vh = v_c.float().transpose(0, 1)  # [H, K, D]
         out_q = out_q + torch.einsum("hgwk,hkd->hgwd", torch.exp(log_qc), vh)
-        idx = lp.assign.long().clamp_min(0).view(h, 1, 1, -1).expand(h, g, w, -1)
-        log_q_member = torch.gather(log_qc, 3, idx)  # [H, G, W, N]
-        wt = lp.weight.float().view(h, 1, 1, -1)
-        member = (lp.assign >= 0).view(h, 1, 1, -1)
-        log_qt = log_q_member + torch.log(wt.clamp_min(1e-30))
-        log_p = l_orig - lse_p.unsqueeze(-1)
-        term = torch.exp(log_qt) * (log_qt - log_p)
-        kl = kl + torch.where(member & torch.isfinite(term), term, torch.zeros_like(term)).sum(-1)
-        p_span = torch.exp(log_p)
-        image_p = image_p + p_span.sum(-1)
+        kl = kl + member_kl(log_qc, log_p, lp.assign, lp.weight)
         kept = lp.kept.long().view(h, 1, 1, -1).expand(h, g, w, -1)
         image_kept = image_kept + torch.gather(p_span, 3, kept).sum(-1)
+    image_p = ref["image_p"]
     out_p = ref["out_p"]
     error = (out_q - out_p).norm(dim=-1) / out_p.norm(dim=-1).clamp_min(1e-12)
     lost = torch.where(image_p > 0, 1.0 - image_kept / image_p.clamp_min(1e-30), 0.0)
@@ -227,6 +301,8 @@ class SelfCheck:
     def content_hopeless(self, ctx, span_counts: list[tuple]) -> bool:
         """True when no plan keeping these counts (``content_floor``) can pass the
         ``content_lost`` half of the check: the caller may skip planning it."""
+        if self.content_threshold >= 1.0:  # content_lost is at most 1: this half always passes
+            return False
         floor = content_floor(ctx, span_counts)
         return floor is not None and float(floor) > self.content_threshold + FLOOR_MARGIN
 

@@ -5,7 +5,8 @@ of ``chunk`` tokens, so the largest temporary is ``[H, G, W, chunk]`` (never ``[
 Two passes: ``window_lse`` (softmax normalisers), then ``window_colsum`` (probabilities reduced over
 queries). Causality: query at position p sees keys at positions <= p. When the whole request fits
 in one chunk, ``PlanContext`` computes ``causal_logits`` once per layer and derives every statistic
-from it (``lse_from_logits``, ``colsum_from_logits``).
+from it (``lse_from_logits``, ``probs_from_logits``, ``colsum_from_probs``,
+``attend_from_logits``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,31 @@ def lse_from_logits(logits: Tensor, col_mask: Tensor | None = None, start: int =
     return torch.logsumexp(logits, dim=-1)
 
 
+def probs_from_logits(logits: Tensor, lse: Tensor) -> Tensor:
+    """``[H, G, W, C]`` softmax probabilities of logits normalised by ``lse`` (-inf -> 0)."""
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1)
+    return torch.exp(logits - safe)
+
+
+def colsum_from_probs(
+    p: Tensor,
+    col_mask: Tensor | None = None,
+    row_weight: Tensor | None = None,
+    start: int = 0,
+) -> Tensor:
+    """``[H, C]``: probabilities ``[H, G, W, C]`` summed over group heads and queries weighted by
+    ``row_weight`` (``[W]`` or ``[H, W]``), columns outside ``col_mask`` zeroed."""
+    h, _, w, c = p.shape
+    cm = _col(col_mask, h, start, start + c)
+    if cm is not None:
+        p = p.masked_fill(~cm, 0.0)
+    if row_weight is None:
+        return p.sum(dim=(1, 2))
+    rw = row_weight.float()
+    rw = rw.reshape(1, 1, w, 1) if rw.dim() == 1 else rw.reshape(h, 1, w, 1)
+    return (p * rw).sum(dim=(1, 2))
+
+
 def colsum_from_logits(
     logits: Tensor,
     lse: Tensor,
@@ -72,17 +98,13 @@ def colsum_from_logits(
 ) -> Tensor:
     """``[H, C]``: softmax probabilities (normalised by ``lse``) summed over group heads and
     queries weighted by ``row_weight`` (``[W]`` or ``[H, W]``)."""
-    h, _, w, c = logits.shape
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1)
-    p = torch.exp(logits - safe)  # -inf logits -> 0
-    cm = _col(col_mask, h, start, start + c)
-    if cm is not None:
-        p = p.masked_fill(~cm, 0.0)
-    if row_weight is None:
-        return p.sum(dim=(1, 2))
-    rw = row_weight.float()
-    rw = rw.reshape(1, 1, w, 1) if rw.dim() == 1 else rw.reshape(h, 1, w, 1)
-    return (p * rw).sum(dim=(1, 2))
+    return colsum_from_probs(probs_from_logits(logits, lse), col_mask, row_weight, start)
+
+
+def attend_from_logits(logits: Tensor, lse: Tensor, v: Tensor) -> Tensor:
+    """``[H, G, W, D]`` attention output of logits ``[H, G, W, C]`` (normalised by ``lse``) over
+    values ``[C, H, D]``; a row at ``-inf`` everywhere gives zeros."""
+    return torch.einsum("hgwc,chd->hgwd", probs_from_logits(logits, lse), v.float())
 
 
 def window_lse(
@@ -170,9 +192,7 @@ def window_colsum(
 
 def gather_heads(x: Tensor, kept: Tensor) -> Tensor:
     """Per-head gather: x ``[N, H, D]``, kept ``[H, K]`` -> ``[K, H, D]`` (exact copies)."""
-    n, h, d = x.shape
-    idx = kept.T.unsqueeze(-1).expand(kept.shape[1], h, d)
-    return torch.gather(x, 0, idx)
+    return x[kept.T.contiguous(), torch.arange(x.shape[1], device=x.device)]
 
 
 def merge_gather(x: Tensor, kept: Tensor, assign: Tensor, weight: Tensor) -> Tensor:
@@ -190,18 +210,26 @@ def merge_gather(x: Tensor, kept: Tensor, assign: Tensor, weight: Tensor) -> Ten
         return merge_gather(x.unsqueeze(2), kept, assign, weight).squeeze(2)
     n, h, r, d = x.shape
     kk = kept.shape[1]
-    xh = x.transpose(0, 1)  # [H, N, R, D]
-    gathered = torch.gather(xh, 1, kept.view(h, kk, 1, 1).expand(h, kk, r, d))  # [H, K, R, D]
+    heads = torch.arange(h, device=x.device)
+    out = x[kept.T.contiguous(), heads]  # [K, H, R, D] exact copies
     valid = assign >= 0
-    flat = (assign.long() + torch.arange(h, device=x.device).unsqueeze(1) * kk)[valid]
-    w = weight.float()[valid].view(-1, 1)
-    src = xh[valid].float()  # [M, R, D]
-    summed = torch.zeros(h * kk, r, d, device=x.device).index_put_(
-        (flat,), src * w.unsqueeze(-1), True
-    )
-    target = torch.zeros(h * kk, r, device=x.device).index_put_((flat,), src.norm(dim=-1) * w, True)
-    count = torch.bincount(flat, minlength=h * kk)
+    entry = assign.long() + heads.unsqueeze(1) * kk  # [H, N] index of (head, entry)
+    count = torch.bincount(entry[valid], minlength=h * kk)
+    is_multi = count > 1
+    multi = is_multi.nonzero().flatten()
+    if multi.numel() == 0:  # nothing merged: every entry is its copy
+        return out
+    # Only the members of entries with several members are averaged; they are visited in the
+    # order of ``valid``'s nonzeros, so each sum is the same sequence of additions whatever the
+    # other entries hold.
+    shared = valid & (count[torch.where(valid, entry, 0)] > 1)
+    flat = (torch.cumsum(is_multi, 0) - 1)[entry[shared]]  # position among the merged entries
+    w = weight.float()[shared].view(-1, 1)
+    src = x.transpose(0, 1)[shared].float()  # [M, R, D]
+    m = multi.numel()
+    summed = torch.zeros(m, r, d, device=x.device).index_put_((flat,), src * w.unsqueeze(-1), True)
+    target = torch.zeros(m, r, device=x.device).index_put_((flat,), src.norm(dim=-1) * w, True)
     scale = target / summed.norm(dim=-1).clamp_min(1e-12)
-    merged = (summed * scale.unsqueeze(-1)).to(x.dtype).view(h, kk, r, d)
-    single = (count <= 1).view(h, kk, 1, 1)
-    return torch.where(single, gathered, merged).transpose(0, 1).contiguous()
+    rows = (multi % kk) * h + multi // kk  # (head, entry) -> row of out
+    out.view(kk * h, r, d).index_copy_(0, rows, (summed * scale.unsqueeze(-1)).to(x.dtype))
+    return out

@@ -45,7 +45,7 @@ class MergeReducer:
         if rows.numel() == 0:
             return assign, merge_weights(scores, assign, k)
         xh = ctx.cached(f"merge unit kv {seg.start}", layer, lambda: unit_kv(ctx, layer, sl))
-        xk = torch.gather(xh, 1, kept.unsqueeze(-1).expand(h, k, xh.shape[-1]))
+        xk = xh[torch.arange(h, device=kept.device).unsqueeze(1), kept]  # [H, K, 2D]
         # Only the candidate rows need their most similar kept entry (one bmm over those rows).
         sim, near = torch.bmm(xh[:, rows], xk.transpose(1, 2)).max(dim=-1)  # [H, R]
         best_sim = torch.full((h, n), -2.0, device=sim.device).index_copy_(1, rows, sim)
@@ -64,8 +64,8 @@ def unit_kv(ctx, layer: int, sl: slice) -> torch.Tensor:
 
 def merge_weights(scores: torch.Tensor, assign: torch.Tensor, k: int) -> torch.Tensor:
     """Importance weights normalised within each entry: ``[H, N]`` fp32, 0 for evicted tokens."""
-    h, n = scores.shape
-    imp = masked_minmax(scores.float(), torch.ones(n, dtype=torch.bool, device=scores.device))
+    h = scores.shape[0]
+    imp = masked_minmax(scores.float(), None)
     imp = imp + 1e-3
     valid = assign >= 0
     imp = torch.where(valid, imp, torch.zeros_like(imp))

@@ -84,8 +84,8 @@ class UniCacheScorer:
     def score(self, ctx, layer):
         vis = ctx.is_visual
         wa, wc, wd, wr = layer_weights(self, layer, ctx.num_layers)
+        d = ctx.redundancy(layer)  # first: its unit K/V also give the key norms
         u = by_modality_minmax(-ctx.key_norm(layer), vis)
-        d = ctx.redundancy(layer)
         r = ctx.recency().unsqueeze(0)
         if ctx.has_queries:
             q = self.query_weight

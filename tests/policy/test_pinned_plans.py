@@ -1,0 +1,163 @@
+"""Pinned plans and the fast paths of planning against their plain definitions.
+
+A small seeded bf16 request is planned with the defaults as shipped, with an escalating
+self-check and with the check off; its kept entries, merges and verdict are pinned. Making
+planning faster must leave them exactly as they are (the deciding statistic within 1e-5).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sglang_unicache.policy import signals
+from sglang_unicache.policy.checks.selfcheck import key_coverage, reference_attention
+from sglang_unicache.policy.config import UniCacheConfig
+from sglang_unicache.policy.context import PlanContext
+from sglang_unicache.policy.inputs import ScoreInputs
+from sglang_unicache.policy.kernels.reference import merge_gather
+from sglang_unicache.policy.registry import build_method
+
+from .conftest import make_inputs
+
+SHIPPED = dict(layer_fill="next", selfcheck_content_threshold=1.0)
+SPAN0_LAYER0_AT_01 = [[3, 33, 40, 42, 47], [3, 31, 37, 44, 49]]
+SPAN1_LAYER3_AT_01 = [[3, 39, 43, 45, 46], [3, 36, 43, 45, 47]]
+SPAN0_LAYER0_AT_04 = [
+    [3, 24, 29, 30, 32, 33, 34, 35, 36, 38, 39, 40, 42, 43, 44, 45, 46, 47, 48, 49],
+    [3, 11, 24, 26, 31, 34, 35, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49],
+]
+SPAN1_LAYER3_AT_04 = [
+    [3, 28, 30, 31, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47],
+    [3, 19, 26, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47],
+]
+
+# (config, keep ratio, escalations, verdict, kl, span 0 layer 0 kept, span 1 layer 3 kept,
+#  merged members per layer of span 0, digest of every layer's kept and assign)
+PINNED = {
+    "shipped": (UniCacheConfig(**SHIPPED), 0.1, 0, True, 0.8152366, SPAN0_LAYER0_AT_01,
+                SPAN1_LAYER3_AT_01, [0, 0, 4, 0], "b7bc063b51371c61"),
+    "escalating": (UniCacheConfig(**SHIPPED, selfcheck_threshold=0.6), 0.4, 2, True, 0.4035443,
+                   SPAN0_LAYER0_AT_04, SPAN1_LAYER3_AT_04, [0, 0, 2, 0], "7ffa4dea340afa4c"),
+    "check off": (UniCacheConfig(layer_fill="next", selfcheck=False), 0.1, 0, None, None,
+                  SPAN0_LAYER0_AT_01, SPAN1_LAYER3_AT_01, [0, 0, 4, 0], "b7bc063b51371c61"),
+}
+
+
+def _digest(plan) -> str:
+    kept = torch.cat([lp.kept.flatten() for p in plan.spans for lp in p.layers])
+    assign = torch.cat([lp.assign.flatten() for p in plan.spans for lp in p.layers])
+    raw = kept.to(torch.int64).numpy().tobytes() + assign.to(torch.int64).numpy().tobytes()
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+@pytest.mark.parametrize("name", sorted(PINNED))
+def test_a_seeded_request_gets_its_pinned_plan(name: str) -> None:
+    cfg, keep, escalations, passed, kl, span0, span1, merged, digest = PINNED[name]
+    inp = make_inputs(layers=4, tokens=120, dtype=torch.bfloat16, seed=3)
+    plan = build_method(cfg).plan(inp)
+    assert plan.keep_ratio == pytest.approx(keep) and plan.escalations == escalations
+    assert not plan.fallback
+    if passed is None:
+        assert plan.selfcheck is None
+    else:
+        assert plan.selfcheck.passed == passed and plan.selfcheck.statistic == "kl"
+        assert plan.selfcheck.value == pytest.approx(kl, abs=1e-5)
+        assert set(plan.selfcheck.stats) == {"kl", "kl_head", "image_mass_lost",
+                                             "output_error", "key_coverage", "content_lost"}
+    assert plan.spans[0].layers[0].kept.tolist() == span0
+    assert plan.spans[1].layers[3].kept.tolist() == span1
+    assert [int((lp.assign >= 0).sum()) - lp.kept.numel() for lp in plan.spans[0].layers] == merged
+    assert _digest(plan) == digest, "kept entries or merges of some layer changed"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(37, 3, 16), (200, 2, 128), (5, 1, 7)])
+def test_unit_kv_is_normalise_then_concatenate(dtype, shape) -> None:
+    g = torch.Generator().manual_seed(1)
+    k = (3 * torch.randn(*shape, generator=g)).to(dtype)
+    v = torch.randn(*shape, generator=g).to(dtype)
+    k[0] = 0  # a zero key: normalised to zeros, as F.normalize does
+    x, norms = signals.unit_kv_norms(k, v)
+    want = torch.cat([F.normalize(k.float(), dim=-1), F.normalize(v.float(), dim=-1)], -1) / 2**0.5
+    assert torch.equal(x, want)
+    assert torch.equal(norms[..., 0], k.float().norm(dim=-1))
+    assert torch.equal(norms[..., 1], v.float().norm(dim=-1))
+
+
+def test_raster_redundancy_is_the_same_in_any_blocks() -> None:
+    g = torch.Generator().manual_seed(2)
+    x = signals.unit_kv(torch.randn(300, 2, 16, generator=g), torch.randn(300, 2, 16, generator=g))
+    run = torch.zeros(300, dtype=torch.long)
+    run[100:250] = 1
+    whole = signals.raster_redundancy(x, run, 4)
+    assert torch.equal(signals.raster_redundancy(x, run, 4, rows=7), whole)
+
+
+def test_merge_gather_matches_its_definition() -> None:
+    """Entries of one member are exact copies; an entry of several is the weighted mean of its
+    members, rescaled to their weighted mean norm."""
+    g = torch.Generator().manual_seed(3)
+    n, h, d, k = 40, 2, 8, 9
+    x = torch.randn(n, h, 2, d, generator=g).to(torch.bfloat16)
+    kept = torch.stack([torch.randperm(n, generator=g)[:k].sort().values for _ in range(h)])
+    assign = torch.randint(-1, k, (h, n), generator=g).int()
+    assign[:, ::2] = -1
+    assign.scatter_(1, kept, torch.arange(k, dtype=torch.int32).expand(h, k))
+    weight = torch.rand(h, n, generator=g)
+    out = merge_gather(x, kept, assign, weight)
+    for head in range(h):
+        for j in range(k):
+            members = (assign[head] == j).nonzero().flatten()
+            got = out[j, head]
+            if members.numel() == 1:
+                assert torch.equal(got, x[kept[head, j], head])
+                continue
+            src = x[members, head].float()  # [M, 2, D]
+            w = weight[head, members].view(-1, 1, 1)
+            mean = (src * w).sum(0)
+            target = (src.norm(dim=-1) * w[..., 0]).sum(0)
+            want = mean * (target / mean.norm(dim=-1)).unsqueeze(-1)
+            torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_reference_attention_from_kept_logits_equals_the_chunked_passes() -> None:
+    """The self-check's full and rest-of-request attention sliced from the context's logits
+    equal the two chunked passes, also when some observation queries are left out."""
+    inp = make_inputs(layers=2, tokens=120, window=6)
+    pos = torch.tensor([50, 53, 80, 110, 115, 119])  # 50: inside span (4, 54); 80: between
+    inp = ScoreInputs(inp.keys, inp.values, inp.spans, obs_queries=inp.obs_queries,
+                      obs_positions=pos)
+    spans = tuple((s.start, s.end) for s in inp.spans)
+    rows = (pos >= 107) | (pos < 4)
+    rows |= (pos >= 53) & (pos < 60)
+    q, p = inp.obs_queries[1][rows], pos[rows]
+    kept_logits, chunked = PlanContext(inp), PlanContext(inp, stats_chunk=32)
+    assert kept_logits.logits(1) is not None and chunked.logits(1) is None
+    fast = reference_attention(kept_logits, 1, q, p, rows, spans)
+    slow = reference_attention(chunked, 1, q, p, rows, spans)
+    for a, b in zip(fast[:4], slow[:4], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(fast[4], slow[4], strict=True):
+        assert torch.equal(torch.isinf(a), torch.isinf(b))
+        torch.testing.assert_close(a[torch.isfinite(a)], b[torch.isfinite(b)], rtol=1e-5,
+                                   atol=1e-5)
+
+
+@pytest.mark.parametrize("nested", [True, False])
+def test_key_coverage_reuses_a_nested_level(nested: bool) -> None:
+    g = torch.Generator().manual_seed(4)
+    h, n, d = 2, 60, 16
+    unit = F.normalize(torch.randn(h, n, d, generator=g), dim=-1)
+    order = torch.stack([torch.randperm(n, generator=g) for _ in range(h)])
+    first = order[:, :6].sort(dim=1).values
+    second = (order[:, :15] if nested else order[:, 30:45]).sort(dim=1).values
+    seen: dict = {}
+    for kept in (first, second):
+        got = key_coverage(unit, kept, seen)
+        want = 1.0 - torch.bmm(unit, unit.gather(1, kept.unsqueeze(-1).expand(-1, -1, d))
+                               .transpose(1, 2)).amax(-1).mean(-1)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
