@@ -27,6 +27,7 @@ def test_the_gpu_check_passes_dry_on_the_cpu_platform(tmp_path, server_factory):
     assert check["identity"]["ok"], check["identity"]
     assert check["identity"]["stock"] == check["identity"]["unicache"]
     assert check["compression"]["ok"], check["compression"]
+    assert check["compression_paged"]["ok"], check["compression_paged"]
     assert result["kernels"]["ok"], result["kernels"]
     assert result["decode"]["ok"], result["decode"]
     assert result["ok"] and proc.returncode == 0, proc.stdout[-2000:]
