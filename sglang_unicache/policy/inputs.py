@@ -99,12 +99,13 @@ class ImageSpan:
 
     def stored(self, counts: Tensor) -> Tensor:
         """Entries a plan keeping ``counts`` (any int tensor) stores: each rounded up until the
-        span's entries end on a page boundary, at most the span's length."""
+        span's entries end on a page boundary; the whole span where that would drop less than a
+        page (a lossy plan that frees no memory)."""
         size, offset = self.page
         if size == 1:
             return counts
         filled = (counts + offset + size - 1) // size * size - offset
-        return filled.clamp_max(self.length)
+        return torch.where(self.length - filled < size, self.length, filled)
 
 
 @dataclass

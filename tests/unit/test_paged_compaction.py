@@ -47,9 +47,10 @@ def assert_paged(row: torch.Tensor, size: int) -> None:
 
 def test_stored_counts_end_the_span_on_a_page_boundary():
     span = ImageSpan(13, 13 + 100, page=(16, 13))
-    counts = span.stored(torch.tensor([1, 3, 10, 19, 99]))
-    assert counts.tolist() == [3, 3, 19, 19, 99]  # 13 + 3 = 16, 13 + 19 = 32; 99 = the span
-    assert ((counts[:-1] + 13) % 16 == 0).all()
+    counts = span.stored(torch.tensor([1, 3, 10, 19, 80, 90, 99]))
+    # 13 + 3 = 16, 13 + 19 = 32, 13 + 83 = 96; 90 and 99 would drop less than a page: kept whole
+    assert counts.tolist() == [3, 3, 19, 19, 83, 100, 100]
+    assert ((counts[:-2] + 13) % 16 == 0).all()
     assert ImageSpan(0, 8).stored(torch.tensor([5])).tolist() == [5]  # one slot a page
     with pytest.raises(ValueError, match="page needs"):
         ImageSpan(0, 8, page=(16, 16))
