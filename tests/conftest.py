@@ -143,18 +143,31 @@ def assert_integrity(server) -> None:
 @pytest.fixture
 def serve(model, server_factory, tmp_path):
     """``serve(*flags)``: a server of the test module's own ``model`` fixture (a checkpoint other
-    than the tiny Qwen2-VL), stopped after the test; room is made for one."""
+    than the tiny Qwen2-VL), stopped after the test; room is made for one. ``serve.all(flags,
+    ...)`` starts several side by side (each start is mostly one core's imports)."""
     from tests.support.server import start_server
 
     server_factory.make_room(1)
     started = []
+    names = iter(range(1_000))
 
-    def start(*flags: str):
+    def launch(flags: tuple[str, ...], index: int):
         server = start_server(model, [*flags, "--enable-cache-report"],
-                              tmp_path / f"server-{len(started)}.log")
+                              tmp_path / f"server-{index}.log")
         started.append(server)
         return server
 
+    def start(*flags: str):
+        return launch(flags, next(names))
+
+    def start_all(*flag_lists: tuple[str, ...]) -> list:
+        server_factory.make_room(len(flag_lists))
+        jobs = [(flags, next(names)) for flags in flag_lists]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            futures = [pool.submit(launch, *job) for job in jobs]
+        return [future.result() for future in futures]
+
+    start.all = start_all
     yield start
     for server in started:
         server.stop()

@@ -56,10 +56,8 @@ def two_images(first: bytes, second: bytes, question: str, **params) -> dict:
 
 
 def test_keep_one_answers_as_stock(serve):
-    stock = serve()
-    expected = answers(stock)
-    stock.stop()
-    assert answers(serve("--unicache", "--unicache-keep-ratio", "1.0")) == expected
+    stock, identity = serve.all((), ("--unicache", "--unicache-keep-ratio", "1.0"))
+    assert answers(identity) == answers(stock)
 
 
 def test_keep_a_tenth_compresses_reuses_and_takes_two_images(serve, nocheck_config):

@@ -47,7 +47,7 @@ A, B = (12, 34, 56), (200, 180, 20)
 @pytest.mark.parametrize("page", [16, 64])
 def test_paged_kv_identity_compression_recall_and_reuse(serve, nocheck_config, page):
     paged = ("--page-size", str(page))
-    stock = serve(*paged)
+    stock, identity = serve.all(paged, ("--unicache", "--unicache-keep-ratio", "1.0", *paged))
     expected = [answer(ask(stock, colour, question)) for colour, question in CHATS]
     _, stock_held = held_by(stock, A, "what colour is it?")
     later_question = image_chat(solid_png(A, IMAGE_PX), "where is the square?", max_tokens=1)
@@ -55,7 +55,6 @@ def test_paged_kv_identity_compression_recall_and_reuse(serve, nocheck_config, p
     stock.stop()
     assert stock_held % page == 0
 
-    identity = serve("--unicache", "--unicache-keep-ratio", "1.0", *paged)
     assert [answer(ask(identity, colour, question)) for colour, question in CHATS] == expected
     assert internal_state(identity)["unicache"]["images_compressed"] == 0
     assert_integrity(identity)

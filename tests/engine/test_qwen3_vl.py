@@ -39,10 +39,8 @@ def answers(server) -> list[str]:
 
 
 def test_keep_one_answers_as_stock(serve):
-    stock_server = serve()
-    stock = answers(stock_server)
-    stock_server.stop()  # one server at a time
-    assert answers(serve("--unicache", "--unicache-keep-ratio", "1.0")) == stock
+    stock, identity = serve.all((), ("--unicache", "--unicache-keep-ratio", "1.0"))
+    assert answers(identity) == answers(stock)
 
 
 def test_keep_a_tenth_compresses_reuses_and_takes_two_images(serve, nocheck_config):
