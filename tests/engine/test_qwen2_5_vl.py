@@ -1,13 +1,15 @@
 """Qwen2.5-VL (its windowed vision tower) served with ``--unicache`` on the CPU platform, from a
 tiny random checkpoint built here: keep 1.0 answers as stock SGLang does; keep 0.1 compresses
-each image, a later question is served from the cache without encoding the image again, and a
-two-image request compresses both."""
+each image, a later question is served from the cache without encoding the image again, a
+two-image request compresses both, and an agent loop encodes and compresses each new screenshot
+once."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.conftest import assert_integrity
+from tests.support.agent import assert_each_screenshot_encoded_and_compressed_once
 from tests.support.client import answer, chat, flush_cache, internal_state
 from tests.support.images import data_url, image_chat, solid_png
 from tests.support.tiny_vlm import build_tiny_qwen2_5_vl
@@ -33,7 +35,7 @@ def test_keep_one_answers_as_stock(serve):
     assert answers(identity) == answers(stock)
 
 
-def test_keep_a_tenth_compresses_reuses_and_takes_two_images(serve, nocheck_config):
+def test_keep_a_tenth_compresses_reuses_and_takes_two_images(serve, nocheck_config, tmp_path):
     server = serve("--unicache", "--unicache-keep-ratio", "0.1", "--unicache-config",
                    nocheck_config)
     flush_cache(server)
@@ -52,4 +54,7 @@ def test_keep_a_tenth_compresses_reuses_and_takes_two_images(serve, nocheck_conf
     chat(server, body)
     third = internal_state(server)["unicache"]
     assert third["images_compressed"] - second["images_compressed"] == 2
+    colours = [(60 * i, 240 - 60 * i, 90) for i in range(3)]
+    assert_each_screenshot_encoded_and_compressed_once(server, [solid_png(c) for c in colours],
+                                                       tmp_path)
     assert_integrity(server)

@@ -1,8 +1,8 @@
 """Qwen3-VL, dense and MoE, served with ``--unicache`` on the CPU platform from tiny random
 checkpoints built here (DeepStack from two vision blocks, interleaved M-RoPE, 4 experts for the
 MoE variant): keep 1.0 answers as stock SGLang does; keep 0.1 compresses each image, a later
-question is served from the cache without encoding the image again, and a two-image request
-compresses both.
+question is served from the cache without encoding the image again, a two-image request
+compresses both, and an agent loop encodes and compresses each new screenshot once.
 
 Qwen3-VL's patch is 16 px, so the images here are 256 px squares: 64 tokens each."""
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import assert_integrity
+from tests.support.agent import assert_each_screenshot_encoded_and_compressed_once
 from tests.support.client import answer, chat, flush_cache, internal_state
 from tests.support.images import data_url, image_chat, solid_png
 from tests.support.tiny_vlm import QWEN3_VL_IMAGE_SIZE, build_tiny_qwen3_vl
@@ -43,7 +44,7 @@ def test_keep_one_answers_as_stock(serve):
     assert answers(identity) == answers(stock)
 
 
-def test_keep_a_tenth_compresses_reuses_and_takes_two_images(serve, nocheck_config):
+def test_keep_a_tenth_compresses_reuses_and_takes_two_images(serve, nocheck_config, tmp_path):
     server = serve("--unicache", "--unicache-keep-ratio", "0.1", "--unicache-config",
                    nocheck_config)
     flush_cache(server)
@@ -63,4 +64,7 @@ def test_keep_a_tenth_compresses_reuses_and_takes_two_images(serve, nocheck_conf
     third = internal_state(server)["unicache"]
     assert third["images_compressed"] - second["images_compressed"] == 2
     assert third["compressed_slots_held"] - second["compressed_slots_held"] == 2 * KEPT
+    colours = [(60 * i, 240 - 60 * i, 90) for i in range(3)]
+    assert_each_screenshot_encoded_and_compressed_once(server, [png(c) for c in colours],
+                                                       tmp_path)
     assert_integrity(server)
