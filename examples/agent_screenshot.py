@@ -24,9 +24,9 @@ STEPS = ["What is on the screen?", "Which button should be clicked next?", "Desc
          "Is a dialog open?", "Where is the search field?", "Is the task done?"]
 
 
-def _screenshot(path: str) -> dict:
+def _screenshot(path: str, image_fields: dict | None = None) -> dict:
     url = "data:image/png;base64," + base64.b64encode(Path(path).read_bytes()).decode()
-    return {"type": "image_url", "image_url": {"url": url}}
+    return {"type": "image_url", "image_url": {"url": url, **(image_fields or {})}}
 
 
 def plugin_stats(url: str) -> dict:
@@ -36,14 +36,16 @@ def plugin_stats(url: str) -> dict:
 
 
 def run(url: str, screenshots: list[str], steps: list[str] = STEPS,
-        max_tokens: int = 16) -> list[dict]:
-    """One step per screenshot (instructions cycle through ``steps``); a log entry per step."""
+        max_tokens: int = 16, image_fields: dict | None = None) -> list[dict]:
+    """One step per screenshot (instructions cycle through ``steps``); a log entry per step.
+    ``image_fields`` go into every screenshot's ``image_url`` (SGLang reads some there, e.g.
+    InternVL's ``max_dynamic_patch``)."""
     client = OpenAI(base_url=f"{url}/v1", api_key="none")
     history: list[dict] = [{"role": "system", "content": "You are a helpful screen agent."}]
     log = []
     for i, path in enumerate(screenshots):
         step = steps[i % len(steps)]
-        history.append({"role": "user", "content": [_screenshot(path),
+        history.append({"role": "user", "content": [_screenshot(path, image_fields),
                                                     {"type": "text", "text": step}]})
         reply = client.chat.completions.create(model="default", messages=history,
                                                temperature=0, max_tokens=max_tokens)

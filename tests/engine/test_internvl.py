@@ -1,14 +1,16 @@
 """InternVL (``InternVLChatModel``: InternViT tower, pixel shuffle, Qwen2 language model with 1-D
 RoPE) served with ``--unicache`` on the CPU platform, from a tiny random checkpoint built here:
 keep 1.0 answers as stock SGLang does; keep 0.1 compresses each image, a later question is served
-from the cache without encoding the image again, and a two-image request compresses both, each
-image one span over all of its tiles."""
+from the cache without encoding the image again, a two-image request compresses both, each
+image one span over all of its tiles, and an agent loop encodes and compresses each new
+screenshot once."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.conftest import assert_integrity
+from tests.support.agent import assert_each_screenshot_encoded_and_compressed_once
 from tests.support.client import answer, chat, flush_cache, internal_state
 from tests.support.images import data_url, image_chat, solid_png
 from tests.support.server import start_server
@@ -49,7 +51,7 @@ def test_keep_one_answers_as_stock(serve):
     assert answers(identity) == answers(stock)
 
 
-def test_keep_a_tenth_compresses_reuses_and_takes_two_images(serve, nocheck_config):
+def test_keep_a_tenth_compresses_reuses_and_takes_two_images(serve, nocheck_config, tmp_path):
     server = serve("--unicache", "--unicache-keep-ratio", "0.1", "--unicache-config",
                    nocheck_config)
     flush_cache(server)
@@ -74,6 +76,9 @@ def test_keep_a_tenth_compresses_reuses_and_takes_two_images(serve, nocheck_conf
     third = unicache(server)
     assert third["images_compressed"] - second["images_compressed"] == 2
     assert third["slots_freed"] - second["slots_freed"] == 2 * (TILED_TOKENS - TILED_TOKENS // 10)
+    colours = [(60 * i, 240 - 60 * i, 90) for i in range(3)]
+    assert_each_screenshot_encoded_and_compressed_once(
+        server, [solid_png(c) for c in colours], tmp_path, {"max_dynamic_patch": 1})
     assert_integrity(server)
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 from tests.support.client import internal_state
 
 
-def agent_loop(server, screenshots: list[bytes], folder: Path) -> tuple[list[dict], dict]:
+def agent_loop(server, screenshots: list[bytes], folder: Path,
+               image_fields: dict | None = None) -> tuple[list[dict], dict]:
     """Run the loop over ``screenshots`` (PNG bytes); (its log, each counter's change)."""
     from examples import agent_screenshot
 
@@ -18,17 +19,18 @@ def agent_loop(server, screenshots: list[bytes], folder: Path) -> tuple[list[dic
         path.write_bytes(png)
         paths.append(str(path))
     before = internal_state(server)["unicache"]
-    log = agent_screenshot.run(server.url, paths, max_tokens=4)
+    log = agent_screenshot.run(server.url, paths, max_tokens=4, image_fields=image_fields)
     after = internal_state(server)["unicache"]
     return log, {name: after[name] - before[name] for name in
                  ("images_prefilled", "images_compressed", "spans_reused", "spans_recalled")}
 
 
-def assert_each_screenshot_encoded_and_compressed_once(server, screenshots, folder) -> None:
+def assert_each_screenshot_encoded_and_compressed_once(server, screenshots, folder,
+                                                       image_fields: dict | None = None) -> None:
     """Every step encodes only its new screenshot and compresses it: the earlier ones come from
     the cache (recalled from a host copy, then compressed to the step's own view, or reused
     compressed)."""
-    log, delta = agent_loop(server, screenshots, folder)
+    log, delta = agent_loop(server, screenshots, folder, image_fields)
     steps = len(screenshots)
     assert all(entry["answer"] is not None for entry in log)
     assert delta["images_prefilled"] == steps, delta
