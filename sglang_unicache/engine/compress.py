@@ -180,9 +180,8 @@ class Compression:
         """The request's new image spans as the policy plans them. In a paged pool each carries
         the page offset its entries will start at: the text since the last span that compacts
         (which ends on a page boundary), or since the row's start."""
-        spans, boundary = [], 0
+        spans, boundary, size = [], 0, self.page_size
         for start, end, _ in pending.spans:
-            size = self.page_size
             spans.append(ImageSpan(start, end, page=(size, (start - boundary) % size)))
             if size > 1 and end - start >= max(self.method.config.min_image_tokens, size):
                 boundary = end  # expected to compact; checked against the plans in _compacted

@@ -83,11 +83,12 @@ def _check(scheduler) -> list[str]:
     owned = torch.cat(owned) if owned else torch.empty(0, dtype=torch.int64)
     if _duplicates(owned):
         errors.append(f"{_duplicates(owned)} {unit}(s) owned by two requests")
-    total = free.numel() + held_pages.numel() + torch.unique(owned).numel()
+    requests = torch.unique(owned).numel()
+    total = free.numel() + held_pages.numel() + requests
     pages = allocator.size // size
     if total != pages:
         errors.append(f"{pages - total} {unit}(s) leaked: free {free.numel()} + tree "
-                      f"{held_pages.numel()} + requests {torch.unique(owned).numel()} != pool "
+                      f"{held_pages.numel()} + requests {requests} != pool "
                       f"{pages}" + (f" (pages of {size} slots)" if size > 1 else ""))
     errors += _check_spans(tree)
     return errors

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_unicache.policy.inputs import LayerView
+from sglang_unicache.policy.inputs import LayerView, page_end
 from sglang_unicache.policy.kernels.scatter import as_bytes, write_compressed
 
 
@@ -170,12 +170,12 @@ def plan_compaction(row: torch.Tensor, spans: list[SpanResult], page_size: int =
     removed = sum(s.end - s.start - s.count for s in spans)
     new_length = length - removed
     first = spans[0].start
-    head = -(-first // size) * size  # the first span's first page ends here
+    head = page_end(first, size)  # the first span's first page ends here
     pages = row[head:length:size].to(torch.int64) // size  # the row's pages past it, in order
     if new_length < head:
         raise ValueError(f"the first span keeps {spans[0].count} entries, short of its first "
                          f"page ({head - first} slots)")
-    used = -(-(new_length - head) // size)
+    used = (page_end(new_length, size) - head) // size
     offsets = torch.arange(size, device=row.device)
     placed = (pages[:used, None] * size + offsets).reshape(-1)[:new_length - head]
     new_row = torch.cat([row[:head].to(torch.int64), placed])

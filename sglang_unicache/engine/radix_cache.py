@@ -65,6 +65,7 @@ from sglang_unicache.engine.kvpool import Slots, move_entries, pool_buffers
 from sglang_unicache.engine.request import state_of
 from sglang_unicache.engine.spans import SpanIndex, SpanMeta, SpanNaming
 from sglang_unicache.policy.catalog import from_config
+from sglang_unicache.policy.inputs import page_end
 from sglang_unicache.policy.keep import KeepRatio
 from sglang_unicache.policy.quantize import bits_of
 from sglang_unicache.policy.shrink import shrink_order
@@ -391,13 +392,6 @@ class CompressedRadixCache(UnifiedRadixCache):
             heapq.heappush(full._evict_device_heap,
                            (full.session_ref_eviction_strategy(node), node))
 
-    def _page_filled(self, at: int, count: int) -> int:
-        """``count`` entries from offset ``at`` of a node (whose key starts a page) rounded up to
-        end on a page boundary: a paged pool frees whole pages, and the span's end must stay one
-        so that a later question after it starts its own page."""
-        size = self.page_size
-        return -(-(at + count) // size) * size - at
-
     def _shrink_leaf(self, node) -> int:
         """Re-compress the last span of an unlocked device leaf in place; slots freed (0: not
         possible, the caller evicts the leaf)."""
@@ -407,7 +401,9 @@ class CompressedRadixCache(UnifiedRadixCache):
             return 0
         at, meta = found[-1]
         settings = self.settings
-        k_new = self._page_filled(at, settings.keep.shrunk(meta.count, meta.length))
+        # Paged: the span still ends on a page boundary (the node's key starts one), so whole
+        # pages are freed and a later question after it starts its own page.
+        k_new = page_end(at + settings.keep.shrunk(meta.count, meta.length), self.page_size) - at
         if k_new >= meta.count:
             return 0
         new_ids = settings.naming.ids(meta.pad, meta.start, k_new, meta.variant)

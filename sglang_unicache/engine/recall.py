@@ -55,6 +55,7 @@ from sglang_unicache.engine.request import existing_state, namespace, state_of
 from sglang_unicache.engine.rewrite import restore
 from sglang_unicache.engine.stats import Stats
 from sglang_unicache.engine.targets import Targets
+from sglang_unicache.policy.inputs import page_end
 
 logger = logging.getLogger("sglang_unicache")
 
@@ -196,7 +197,7 @@ class Recall:
         if copy is not None:
             # Whole pages; the prefill goes on in the last one (SGLang's extend fills a
             # request's partial page from its last slot on).
-            pages = -(-plan.tokens // self.page_size) * self.page_size
+            pages = page_end(plan.tokens, self.page_size)
             tree.evict_for(pages)
             slots = tree.token_to_kv_pool_allocator.alloc(pages)
         if slots is None:

@@ -297,8 +297,7 @@ class Method:
             if n_prot > 0:
                 top = torch.topk(torch.where(cand, a, torch.full_like(a, -1.0)), n_prot).indices
                 forced[top] = True
-        return _Draft(seg, skipped, forced, budgets,
-                      budgets if skipped else self._counts(seg, budgets))
+        return _Draft(seg, skipped, forced, budgets, self._counts(seg, budgets))
 
     def _plan_layer(self, ctx: PlanContext, d: _Draft, li: int, scores: list[Tensor]) -> LayerPlan:
         seg = d.span

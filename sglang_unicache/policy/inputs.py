@@ -43,6 +43,12 @@ class LayerView(Sequence[Tensor]):
         return self._get(layer)
 
 
+def page_end(position, size: int):
+    """The first page boundary at or after ``position`` (an int or an int tensor), in pages of
+    ``size`` slots: where a paged KV cache's allocation of ``position`` slots ends."""
+    return (position + size - 1) // size * size
+
+
 def _shape(layers: Sequence[Tensor]) -> tuple[int, ...]:
     return layers.shape if isinstance(layers, LayerView) else tuple(layers[0].shape)
 
@@ -104,7 +110,7 @@ class ImageSpan:
         size, offset = self.page
         if size == 1:
             return counts
-        filled = (counts + offset + size - 1) // size * size - offset
+        filled = page_end(counts + offset, size) - offset
         return torch.where(self.length - filled < size, self.length, filled)
 
 

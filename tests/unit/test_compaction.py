@@ -13,7 +13,10 @@ import torch
 
 pytest.importorskip("sglang")
 
-from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.allocator import (  # noqa: E402
+    PagedTokenToKVPoolAllocator,
+    TokenToKVPoolAllocator,
+)
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 
 from sglang_unicache.engine import compress as compress_module  # noqa: E402
@@ -22,6 +25,7 @@ from sglang_unicache.engine.controller import Controller  # noqa: E402
 from sglang_unicache.engine.request import state_of  # noqa: E402
 from sglang_unicache.engine.targets import Pending  # noqa: E402
 from sglang_unicache.policy.config import UniCacheConfig  # noqa: E402
+from sglang_unicache.policy.inputs import page_end  # noqa: E402
 
 LAYERS, HEADS, DIM, POOL = 2, 2, 8, 128
 PAD, START, N, LENGTH = 1_000_777, 3, 32, 45  # a 32-token image at 3..35 of a 45-token prompt
@@ -35,33 +39,40 @@ class BrokenLens:
 
 
 def setup(seq_lens, layers: int = LAYERS, config: UniCacheConfig | None = None, tree=None,
-          dtype: torch.dtype = torch.float32, **controller_args):
-    pool = MHATokenToKVPool(POOL, 1, dtype, HEADS, DIM, layers, "cpu", False)
-    allocator = TokenToKVPoolAllocator(POOL, dtype, "cpu", pool, need_sort=False)
+          dtype: torch.dtype = torch.float32, page_size: int = 1,
+          shape: tuple[int, int, int] = (START, N, LENGTH), **controller_args):
+    """A controller on a real pool and one request whose prefill just ran: ``shape`` is (image
+    start, image tokens, prompt tokens); ``page_size`` > 1 uses SGLang's paged allocator."""
+    start, n, length = shape
+    size = POOL if page_size == 1 else 64 * page_size
+    pool = MHATokenToKVPool(size, page_size, dtype, HEADS, DIM, layers, "cpu", False)
+    allocator = (TokenToKVPoolAllocator(size, dtype, "cpu", pool, need_sort=False)
+                 if page_size == 1 else
+                 PagedTokenToKVPoolAllocator(size, page_size, dtype, "cpu", pool, need_sort=False))
     for layer in range(layers):
         for buf in (pool.get_key_buffer(layer), pool.get_value_buffer(layer)):
             buf[:] = torch.randn(buf.shape).to(dtype)
-    req_to_token = torch.zeros(2, POOL, dtype=torch.int32)
+    req_to_token = torch.zeros(2, size, dtype=torch.int32)
     config = config or UniCacheConfig(method="knorm", keep_ratio=0.25, selfcheck=False)
     controller = Controller(config, req_to_token, pool, allocator, tree=tree, **controller_args)
-    slots = allocator.alloc(LENGTH)
-    req_to_token[1, :LENGTH] = slots.to(torch.int32)
-    ids = array("q", [5] * START + [PAD] * N + [7] * (LENGTH - START - N))
-    item = SimpleNamespace(offsets=[(START, START + N - 1)], pad_value=PAD,
+    slots = allocator.alloc(page_end(length, page_size))[:length]  # whole pages
+    req_to_token[1, :length] = slots.to(torch.int32)
+    ids = array("q", [5] * start + [PAD] * n + [7] * (length - start - n))
+    item = SimpleNamespace(offsets=[(start, start + n - 1)], pad_value=PAD,
                            modality=SimpleNamespace(name="IMAGE"))
     req = SimpleNamespace(
-        rid="r", extend_end=LENGTH, origin_input_ids=ids, output_ids=[],
+        rid="r", extend_end=length, origin_input_ids=ids, output_ids=[],
         full_untruncated_fill_ids=ids, return_logprob=False, session=None, beam_group=None,
         skip_radix_cache_insert=False, extra_key=None,
         cache_salt=None, multimodal_inputs=SimpleNamespace(
             mm_items=[item], mrope_positions=None, mrope_position_delta=None),
         is_retracted=False, retracted_stain=False, prefix_len=0, host_hit_length=0,
-        kv=SimpleNamespace(req_pool_idx=1, kv_committed_len=LENGTH, kv_allocated_len=LENGTH,
+        kv=SimpleNamespace(req_pool_idx=1, kv_committed_len=length, kv_allocated_len=length,
                            cache_protected_len=0, holds_kv=False))
-    target = CaptureTarget("r", 0, range(LENGTH - 4, LENGTH), range(LENGTH - 4, LENGTH))
+    target = CaptureTarget("r", 0, range(length - 4, length), range(length - 4, length))
     controller.targets.capture = QueryCapture.for_targets([target], device="cpu")
     for layer in range(layers):
-        controller.targets.capture.record(layer, torch.randn(LENGTH, HEADS * DIM), DIM)
+        controller.targets.capture.record(layer, torch.randn(length, HEADS * DIM), DIM)
     batch = SimpleNamespace(seq_lens=seq_lens, seq_lens_cpu=None, orig_seq_lens=None,
                             seq_lens_sum=None)
     spans = controller.targets.new_image_spans(req)

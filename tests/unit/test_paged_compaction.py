@@ -5,19 +5,11 @@ after it moves, whole pages are freed, and the row reads as it should."""
 
 from __future__ import annotations
 
-from array import array
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 pytest.importorskip("sglang")
 
-from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
-
-from sglang_unicache.engine.capture import CaptureTarget, QueryCapture  # noqa: E402
-from sglang_unicache.engine.controller import Controller  # noqa: E402
 from sglang_unicache.engine.kvpool import (  # noqa: E402
     SpanResult,
     backup_slots,
@@ -25,11 +17,9 @@ from sglang_unicache.engine.kvpool import (  # noqa: E402
     restore_slots,
     write_spans,
 )
-from sglang_unicache.engine.targets import Pending  # noqa: E402
 from sglang_unicache.policy.config import UniCacheConfig  # noqa: E402
 from sglang_unicache.policy.inputs import ImageSpan  # noqa: E402
-
-HEADS, DIM = 2, 4
+from tests.unit.test_compaction import DIM, HEADS, setup  # noqa: E402
 
 
 def paged_row(pages: torch.Tensor, length: int, size: int) -> torch.Tensor:
@@ -118,46 +108,14 @@ def test_one_slot_a_page_is_the_layout_it_always_was():
     assert compaction.moves[0].numel() == 0
 
 
-LAYERS, SIZE, PAD, START, N, LENGTH = 2, 16, 1_000_777, 13, 100, 130
-
-
-def paged_controller(config: UniCacheConfig):
-    pool = MHATokenToKVPool(64 * SIZE, SIZE, torch.float32, HEADS, DIM, LAYERS, "cpu", False)
-    allocator = PagedTokenToKVPoolAllocator(64 * SIZE, SIZE, torch.float32, "cpu", pool,
-                                            need_sort=False)
-    for layer in range(LAYERS):
-        for buf in (pool.get_key_buffer(layer), pool.get_value_buffer(layer)):
-            buf[:] = torch.randn(buf.shape)
-    req_to_token = torch.zeros(2, 64 * SIZE, dtype=torch.int32)
-    controller = Controller(config, req_to_token, pool, allocator)
-    slots = allocator.alloc(-(-LENGTH // SIZE) * SIZE)[:LENGTH]
-    req_to_token[1, :LENGTH] = slots.to(torch.int32)
-    ids = array("q", [5] * START + [PAD] * N + [7] * (LENGTH - START - N))
-    item = SimpleNamespace(offsets=[(START, START + N - 1)], pad_value=PAD,
-                           modality=SimpleNamespace(name="IMAGE"))
-    req = SimpleNamespace(
-        rid="r", extend_end=LENGTH, origin_input_ids=ids, output_ids=[],
-        full_untruncated_fill_ids=ids, return_logprob=False, session=None, beam_group=None,
-        skip_radix_cache_insert=False, extra_key=None, cache_salt=None,
-        multimodal_inputs=SimpleNamespace(mm_items=[item], mrope_positions=None,
-                                          mrope_position_delta=None),
-        is_retracted=False, retracted_stain=False, prefix_len=0, host_hit_length=0,
-        kv=SimpleNamespace(req_pool_idx=1, kv_committed_len=LENGTH, kv_allocated_len=LENGTH,
-                           cache_protected_len=0, holds_kv=False))
-    target = CaptureTarget("r", 0, range(LENGTH - 4, LENGTH), range(LENGTH - 4, LENGTH))
-    controller.targets.capture = QueryCapture.for_targets([target], device="cpu")
-    for layer in range(LAYERS):
-        controller.targets.capture.record(layer, torch.randn(LENGTH, HEADS * DIM), DIM)
-    batch = SimpleNamespace(seq_lens=torch.tensor([LENGTH]), seq_lens_cpu=None,
-                            orig_seq_lens=None, seq_lens_sum=None)
-    controller.targets.pending = {"r": Pending(batch, target, controller.targets
-                                               .new_image_spans(req))}
-    return controller, req, allocator
+SIZE, START, N, LENGTH = 16, 13, 100, 130  # a 100-token image at 13..112, pages of 16
 
 
 def test_a_paged_request_compacts_to_whole_pages():
-    controller, req, allocator = paged_controller(
-        UniCacheConfig(method="knorm", keep_ratio=0.1, selfcheck=False))
+    controller, req, _, allocator, _ = setup(
+        torch.tensor([LENGTH]), config=UniCacheConfig(method="knorm", keep_ratio=0.1,
+                                                      selfcheck=False),
+        page_size=SIZE, shape=(START, N, LENGTH))
     free = allocator.available_size()
     controller.on_checkpoint(req)
     assert controller.stats.images_compressed == 1 and controller.stats.errors == 0
