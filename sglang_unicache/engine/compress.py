@@ -111,10 +111,9 @@ class Compression:
         if applied is None:
             return [ERROR, 0.0, 0.0]
         self.slots.free(applied.freed)
-        if self.recall is not None:
-            self.recall.keep(copied[0])
+        host = self.recall.keep(copied[0]) if self.recall is not None else None
         state_of(req).fresh = self._span_metas(req, pending, results, plans, plan.selfcheck,
-                                               plan.keep_ratio)
+                                               plan.keep_ratio, host)
         self.stats.images_compressed += len(results)
         self.stats.requests_compressed += 1
         self.stats.slots_freed += applied.freed.numel()
@@ -260,7 +259,9 @@ class Compression:
         state.rewrites = [*state.rewrites, rewrite(req, spans)]
 
     def _span_metas(self, req, pending: Pending, results: list[SpanResult], plans,
-                    selfcheck, keep_ratio: float) -> list[tuple[int, SpanMeta]]:
+                    selfcheck, keep_ratio: float, host) -> list[tuple[int, SpanMeta]]:
+        """Each compressed span's metadata by its place in the compacted row; ``host``: the key
+        of the host copy just stored (of the request's first image), if any."""
         pads = {start: pad for start, _, pad in pending.spans}
         row = self.req_to_token[req.kv.req_pool_idx]
         *earlier, own = state_of(req).rewrites  # this compression's rewrite is the newest
@@ -280,6 +281,7 @@ class Compression:
                         if any(lp.merges for lp in layers) else None),
                 method=span_plan.method, keep_ratio=keep_ratio,
                 selfcheck=None if selfcheck is None else selfcheck.to_dict(),
-                slots=row[at:at + result.count].clone())))
+                slots=row[at:at + result.count].clone(),
+                host=host if host is not None and host[2] == start else None)))
             removed_before += result.end - result.start - result.count
         return metas

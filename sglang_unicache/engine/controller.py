@@ -185,6 +185,7 @@ class Controller:
         return {**self.stats.to_dict(),
                 "spans_recompressed": shrunk.spans if shrunk else 0,
                 "recompress_slots_freed": shrunk.slots_freed if shrunk else 0,
+                "spans_shrunk_at_rest": shrunk.at_rest if shrunk else 0,
                 "spans_loaded_back": host.loaded_back if host else 0,
                 "load_back_waits": host.load_back_waits if host else 0,
                 **(self.recall.counters() if self.recall is not None

@@ -10,7 +10,8 @@ whole pages) is in exactly one place:
 No slot is in two places and their sum is the pool size (nothing leaked, nothing freed twice).
 Every compressed span's metadata is attached to a live tree node (on the device, or only in
 HiCache's host tier) whose key holds the span's ids, and the image index (what later requests
-are rewritten to) names only such spans.
+are rewritten to) names only such spans. A span waiting to go back to the keep ratio at rest
+(``CompressedRadixCache.resting``) is one a request still uses.
 
 It returns the violations as one-line strings (empty when all hold) so that a test can assert on
 them through ``/server_info`` and a server keeps running when one is found.
@@ -116,6 +117,10 @@ def _check_spans(tree) -> list[str]:
     if tree.host.spans != tree.count_on_host():
         errors.append(f"spans_on_host {tree.host.spans} != the {tree.count_on_host()} host-only "
                       "nodes' spans")
+    unused = [meta for node, meta in tree.resting.values() if node.component(FULL).lock_ref == 0]
+    if unused:
+        errors.append(f"{len(unused)} escalated span(s) with a host copy unused and not back at "
+                      "the keep ratio")
     indexed = {id(m) for copies in tree.spans.by_image.values() for m in copies}
     stale = indexed - attached
     if stale:

@@ -28,7 +28,10 @@ COUNTERS = {
     "images_prefilled": "Image spans computed by a prefill (the vision encoder ran for them)",
     "skipped_cached": "Images left uncompressed because part of them came from the tree",
     "spans_recompressed": "Cached compressed spans shrunk under memory pressure instead of evicted",
-    "recompress_slots_freed": "KV slots returned to the allocator by re-compression",
+    "recompress_slots_freed": "KV slots returned to the allocator by re-compression (under "
+                              "memory pressure and at rest)",
+    "spans_shrunk_at_rest": "Escalated spans back at the keep ratio once unused (a host copy "
+                            "serves later questions)",
     "spans_loaded_back": "Compressed spans loaded back from HiCache's host tier for a request",
     "load_back_waits": "Rounds a request with compressed spans on the host waited for room",
 }

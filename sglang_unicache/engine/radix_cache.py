@@ -176,16 +176,19 @@ class SpanSettings:
     naming: SpanNaming
     recompress: bool
     keep: KeepRatio  # how far a re-compression shrinks a span
+    rest_at_keep_ratio: bool = True  # escalated spans with a host copy shrink once unused
 
     @classmethod
     def of(cls, config) -> SpanSettings:
-        return cls(SpanNaming.of(config), config.recompress, from_config(KeepRatio, config))
+        return cls(SpanNaming.of(config), config.recompress, from_config(KeepRatio, config),
+                   config.rest_at_keep_ratio)
 
 
 @dataclass
 class Recompressed:
     spans: int = 0  # shrinks under memory pressure
-    slots_freed: int = 0
+    slots_freed: int = 0  # by both kinds of shrink
+    at_rest: int = 0  # escalated spans back at the keep ratio once unused
 
 
 @dataclass
@@ -206,6 +209,8 @@ class CompressedRadixCache(UnifiedRadixCache):
     host: HostTier
     recall = None  # recall.Recall with host copies on
     private_load = False  # the last ``init_load_back`` filled slots of the request's own
+    # Escalated spans with a host copy, shrunk at rest once no request uses them (``_rest``).
+    resting: dict[int, tuple[object, SpanMeta]]
 
     def enable_spans(self, settings: SpanSettings, slots: Slots, recall=None) -> None:
         """Compressed spans from now on: ids and re-compression by ``settings``, the slots a
@@ -217,6 +222,7 @@ class CompressedRadixCache(UnifiedRadixCache):
         self.spans = SpanIndex()
         self.recompressed = Recompressed()
         self.host = HostTier()
+        self.resting = {}
         self.tree_core.owner = self
 
     # -- where a span's KV lives (reported by ``SpanTreeCore``) ------------------------------------
@@ -243,6 +249,7 @@ class CompressedRadixCache(UnifiedRadixCache):
             self.host.spans -= len(metas)
         for meta in metas:
             self.spans.discard(meta)
+            self.resting.pop(id(meta), None)
 
     def count_on_host(self) -> int:
         """``host.spans`` recounted from every node (what ``check_integrity`` compares it with)."""
@@ -326,6 +333,39 @@ class CompressedRadixCache(UnifiedRadixCache):
             if node is not None:
                 self.attach(node, meta)
                 self.spans.add(meta)
+                if self._rest_count(meta) < meta.count:
+                    self.resting[id(meta)] = (node, meta)
+
+    def _rest_count(self, meta: SpanMeta) -> int:
+        """The entries span ``meta`` keeps at rest: the keep ratio's count when its check
+        escalated it and its image has a host copy (``KeepRatio.at_rest``), else its own."""
+        keep = self.settings.keep
+        if (not self.settings.rest_at_keep_ratio or meta.keep_ratio <= keep.keep_ratio
+                or self.recall is None or not self.recall.holds(meta.host)):
+            return meta.count
+        return keep.at_rest(meta.count, meta.length)
+
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        super().on_release(req, checkpointed=checkpointed)
+        if self.settings is not None and self.resting:
+            self._rest()
+
+    def _rest(self) -> None:
+        """Shrink every escalated span waiting for rest whose node no request uses now (a
+        node's lock counts the requests on it and below it) to its rest count, keeping the text
+        after it (the chat's history) and its children. A span whose copy is gone keeps its
+        count: it is what a later question reuses then."""
+        for key, (node, meta) in list(self.resting.items()):
+            cd = node.component(FULL)
+            if cd.lock_ref > 0 and cd.value is not None and not node.backuped:
+                continue
+            del self.resting[key]
+            if cd.value is None or node.backuped or spans_of(node).get(meta.ids[0]) is not meta:
+                continue  # evicted, demoted, or backed up by HiCache (its host copy stays exact)
+            at = list(node.key.raw_token_ids()).index(meta.ids[0])
+            k_new = page_end(at + self._rest_count(meta), self.page_size) - at
+            if k_new < meta.count and self._shrink(node, at, meta, k_new, keep_tail=True):
+                self.recompressed.at_rest += 1
 
     def node_holding(self, last_node_id, first_id: int):
         """The node on the path from the root to node ``last_node_id`` whose key holds
@@ -362,6 +402,7 @@ class CompressedRadixCache(UnifiedRadixCache):
         self.held = 0
         if self.settings is not None:
             self.spans.clear()
+            self.resting.clear()
             self.host.spans = 0
         if self.recall is not None:
             self.recall.clear()
@@ -393,21 +434,39 @@ class CompressedRadixCache(UnifiedRadixCache):
                            (full.session_ref_eviction_strategy(node), node))
 
     def _shrink_leaf(self, node) -> int:
-        """Re-compress the last span of an unlocked device leaf in place; slots freed (0: not
-        possible, the caller evicts the leaf)."""
+        """Re-compress the last span of an unlocked device leaf in place, dropping the text
+        after it; slots freed (0: not possible, the caller evicts the leaf)."""
         found = _span_offsets(node)
         cd = node.component(FULL)
         if not found or cd.value is None or node.backuped or node.key.is_bigram:
             return 0
         at, meta = found[-1]
-        settings = self.settings
         # Paged: the span still ends on a page boundary (the node's key starts one), so whole
         # pages are freed and a later question after it starts its own page.
-        k_new = page_end(at + settings.keep.shrunk(meta.count, meta.length), self.page_size) - at
+        k_new = page_end(at + self.settings.keep.shrunk(meta.count, meta.length),
+                         self.page_size) - at
         if k_new >= meta.count:
             return 0
-        new_ids = settings.naming.ids(meta.pad, meta.start, k_new, meta.variant)
-        key = RadixKey(array("q", list(node.key.raw_token_ids()[:at]) + list(new_ids)),
+        freed = self._shrink(node, at, meta, k_new, keep_tail=False)
+        if freed:
+            self.recompressed.spans += 1
+            logger.debug("sglang-unicache: re-compressed span to %d entries under pressure",
+                         k_new)
+        return freed
+
+    def _shrink(self, node, at: int, meta: SpanMeta, k_new: int, *, keep_tail: bool) -> int:
+        """Keep the top ``k_new`` entries of span ``meta`` at offset ``at`` of unlocked device
+        node ``node`` (``shrink.shrink_order``), under the ids of that count; the text after the
+        span stays in the node with ``keep_tail`` (its KV does not depend on the span's count),
+        else it is freed too (a leaf only). Slots freed; 0 when the new key would collide with
+        a sibling's."""
+        if node.key.is_bigram:
+            return 0
+        cd = node.component(FULL)
+        new_ids = self.settings.naming.ids(meta.pad, meta.start, k_new, meta.variant)
+        ids = list(node.key.raw_token_ids())
+        tail = ids[at + meta.count:] if keep_tail else []
+        key = RadixKey(array("q", ids[:at] + list(new_ids) + tail),
                        node.key.extra_key, cache_salt=node.key.cache_salt)
         # The parent finds the node by its key's first page (first token at page size 1):
         # a span starting there re-keys the node.
@@ -424,7 +483,8 @@ class CompressedRadixCache(UnifiedRadixCache):
         value = cd.value
         slots = value[at:at + meta.count]
         move_entries(*pool_buffers(self.token_to_kv_pool_allocator.get_kvcache()), slots, keep)
-        freed = torch.cat([slots[k_new:], value[at + meta.count:]])
+        rest = value[at + meta.count:]
+        freed = slots[k_new:] if keep_tail else torch.cat([slots[k_new:], rest])
 
         old_first, old_count = meta.ids[0], meta.count
         meta.shrink(keep, new_ids)
@@ -432,20 +492,27 @@ class CompressedRadixCache(UnifiedRadixCache):
         if child_key != old_child_key:
             node.parent.children.pop(old_child_key)
             node.parent.children[child_key] = node
-        cd.value = torch.cat([value[:at], slots[:k_new]])
+        cd.value = torch.cat([value[:at], slots[:k_new], *([rest] if keep_tail else [])])
         spans = spans_of(node)
         spans.pop(old_first)
         spans[meta.ids[0]] = meta
         self.spans.changed()
-        node.hash_value = None
+        _forget_hashes(node)
         self.tree_core.component_evictable_size_[FULL] -= freed.numel()
         self.held -= old_count - k_new
         self.slots.free(freed)
-        self.recompressed.spans += 1
         self.recompressed.slots_freed += freed.numel()
-        logger.debug("sglang-unicache: re-compressed span %d -> %d entries under pressure",
-                     old_count, k_new)
         return freed.numel()
+
+
+def _forget_hashes(node) -> None:
+    """A node's key changed: its page hashes, and those chained from them below it, are stale
+    (recomputed when next needed)."""
+    stack = [node]
+    while stack:
+        walk = stack.pop()
+        walk.hash_value = None
+        stack.extend(walk.children.values())
 
 
 def _factory(ctx: TreeCacheBuildContext):

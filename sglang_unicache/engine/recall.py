@@ -117,9 +117,16 @@ class Recall:
         return PendingCopy(key, [self.copies.pack(read_entries(b, index)) for b in k_buffers],
                            [self.copies.pack(read_entries(b, index)) for b in v_buffers])
 
-    def keep(self, pending: PendingCopy | None) -> None:
-        if pending is not None:
-            self.copies.put(pending.key, pending.keys, pending.values)
+    def keep(self, pending: PendingCopy | None) -> HostKey | None:
+        """Store a copy ``take`` packed once its compression holds: its key, or None when
+        there was none or it does not fit the byte budget."""
+        if pending is not None and self.copies.put(pending.key, pending.keys, pending.values):
+            return pending.key
+        return None
+
+    def holds(self, key) -> bool:
+        """Whether the copy keyed ``key`` is in the store (not marked used)."""
+        return key is not None and key in self.copies
 
     # -- 2. decide --------------------------------------------------------------------------------
     def decide(self, req) -> bool:

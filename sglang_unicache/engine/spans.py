@@ -67,6 +67,7 @@ class SpanMeta:
     selfcheck: dict | None = None
     variant: str = ""  # ``SpanNaming.ids``' variant: re-compression keeps it
     recompressions: int = 0
+    host: object = None  # the key of the image's full copy in host memory (recall.py), if taken
     slots: torch.Tensor | None = field(default=None, repr=False)  # K slots when registered
 
     @property

@@ -216,6 +216,10 @@ class UniCacheConfig:
         False, "a recalled question's compressed view (and its chat's history after the image) "
         "stays in the tree when it finishes; off: at rest the device holds one compressed span "
         "per image, the first question's")
+    rest_at_keep_ratio: bool = doc(
+        True, "once no request uses it, a span the self-check escalated goes back to "
+        "keep_ratio x N entries when its image has a host copy (the copy serves later "
+        "questions); off: it keeps the escalated count")
 
     aircache_alpha: float = doc(0.9, section="AirCache (ICCV 2025) and baselines")
     aircache_floor: float = doc(0.1, "added to normalised layer scores before rescaling (ours)")

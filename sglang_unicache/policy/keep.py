@@ -8,6 +8,10 @@
 3. **Re-compression** under memory pressure: a cached span of K entries keeps
    ``ceil(K * recompress_factor)``, never below ``ceil(N * recompress_floor)`` or 1
    (``shrunk``; which entries go is ``shrink.shrink_order``'s).
+4. **At rest**, with a full copy of the image in host memory: a span its request's check
+   escalated above ``keep_ratio`` goes back to ``round(keep_ratio * N)`` entries once no request
+   uses it (``at_rest``): the copy serves later questions, each with its own view, and the span
+   only their prefix match and the chat's history.
 
 Between these, the parts turn the ratio into counts and never change it: the modality budgets
 split it between image and text (``budgets/modality.py``), the layer budget spreads a span's
@@ -53,6 +57,12 @@ class KeepRatio:
     def highest(self) -> float:
         """The largest ratio a plan may reach (the cap, or a start above it)."""
         return max(self.escalate_max_keep, self.keep_ratio)
+
+    def at_rest(self, current: int, original: int) -> int:
+        """Entries a span of ``current`` entries (``original`` tokens) keeps at rest when its
+        image has a host copy: what ``keep_ratio`` gives (the uniform budget's count), or
+        ``current`` if that is fewer."""
+        return min(current, max(1, round(self.keep_ratio * original)))
 
     def shrunk(self, current: int, original: int) -> int:
         """Entries a span of ``current`` entries (``original`` tokens before compression) keeps

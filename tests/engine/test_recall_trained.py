@@ -1,13 +1,19 @@
 """On both trained models, a later question recalling the image from an exact host copy answers
-with stock SGLang's first token: its prefill sees every image token, as stock's does."""
+with stock SGLang's first token: its prefill sees every image token, as stock's does. As shipped,
+an image the check escalated goes back to the keep ratio at rest."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from benchmarks.quality.recall_agreement import agreement
+from tests.support.client import answer, chat, internal_state
+from tests.support.images import image_chat
+from tests.support.server import start_server
 
 CHECKPOINTS = Path(__file__).resolve().parents[2] / "assets" / "checkpoints"
 IMAGES, QUESTIONS = 4, 3
@@ -25,3 +31,39 @@ def test_later_questions_answer_as_stock_with_exact_copies(model, server_factory
     assert exact["spans_recalled"] == later  # every later question recalled its image
     assert exact["images_prefilled"] == IMAGES  # each image encoded once, by its first question
     assert exact["same_first_token"] == later, exact
+
+
+def readme_square() -> bytes:
+    """The README's example image: a plain red square, whose check escalates once as shipped."""
+    out = io.BytesIO()
+    Image.new("RGB", (224, 224), (200, 30, 30)).save(out, "PNG")
+    return out.getvalue()
+
+
+def test_an_escalated_span_rests_at_the_keep_ratio_and_keeps_its_chat(server_factory, tmp_path):
+    """As shipped, the README's red square escalates to keep 0.2 (13 slots) for its first
+    question, which decodes on that view. Once the request is done the device keeps
+    round(0.1 x 64) = 6 entries: the host copy serves later questions over the whole image. The
+    chat's first turn stays cached behind the span, so the next turn recalls it as history."""
+    server_factory.make_room(1)
+    server = start_server(CHECKPOINTS / "tiny-vqa-qwen2-vl",
+                          ["--unicache", "--enable-cache-report"], tmp_path / "shipped.log")
+    try:
+        first = image_chat(readme_square(), "what colour is the square?", max_tokens=8)
+        reply = chat(server, first)
+        state = internal_state(server)["unicache"]
+        check = state["recent_checks"][-1]
+        assert check["passed"] and check["escalations"] >= 1 and check["keep_ratio"] > 0.1
+        assert state["spans_shrunk_at_rest"] == 1
+        assert state["compressed_slots_held"] == 6
+
+        first["messages"] += [{"role": "assistant", "content": answer(reply)},
+                              {"role": "user", "content": "how many objects are there?"}]
+        chat(server, first)
+        state = internal_state(server)["unicache"]
+        assert state["spans_recalled"] == 1 and state["recall_history_tokens"] > 0
+        assert state["images_prefilled"] == 1  # the image was encoded once
+        assert state["compressed_slots_held"] == 6  # the recalled view left with its request
+        assert state["integrity"] == []
+    finally:
+        server.stop()

@@ -11,7 +11,7 @@ pytest.importorskip("sglang")
 
 from sglang_unicache.engine.integrity import check_integrity  # noqa: E402
 from sglang_unicache.engine.radix_cache import spans_of  # noqa: E402
-from tests.unit.test_radix_cache import cache, make_span  # noqa: E402, F401
+from tests.unit.test_radix_cache import cache, make_span, rest_setup  # noqa: E402, F401
 
 
 def scheduler_of(tree, reqs=()):
@@ -86,3 +86,17 @@ def test_a_cached_span_no_request_can_find_is_found(cache):  # noqa: F811
     cache.spans.discard(meta)
     assert check_integrity(scheduler_of(cache)) == [
         "1 cached span(s) are not indexed: no request can find them"]
+
+
+def test_an_escalated_span_left_above_the_keep_ratio_at_rest_is_found(cache):  # noqa: F811
+    """A span waiting to go back to the keep ratio whose node no request uses: its release
+    did not shrink it, and the device holds more per image than the product promises."""
+    meta, req, leaf, _ = rest_setup(cache)
+    lock = cache.lock(leaf)
+    cache.on_release(req, checkpointed=True)
+    assert check_integrity(scheduler_of(cache)) == []  # in use: waiting is right
+    cache.unlock(lock)  # released without on_release
+    assert check_integrity(scheduler_of(cache)) == [
+        "1 escalated span(s) with a host copy unused and not back at the keep ratio"]
+    cache.on_release(req, checkpointed=True)
+    assert check_integrity(scheduler_of(cache)) == []

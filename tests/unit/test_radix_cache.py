@@ -4,6 +4,7 @@ compressed-span metadata on tree nodes, no split inside a span, re-compression u
 from __future__ import annotations
 
 from array import array
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -24,8 +25,10 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType  # n
 
 from sglang_unicache.engine import radix_cache  # noqa: E402
 from sglang_unicache.engine.kvpool import Slots  # noqa: E402
+from sglang_unicache.engine.request import state_of  # noqa: E402
 from sglang_unicache.engine.spans import SpanMeta  # noqa: E402
 from sglang_unicache.policy.config import UniCacheConfig  # noqa: E402
+from sglang_unicache.policy.keep import KeepRatio  # noqa: E402
 
 LAYERS, HEADS, DIM, POOL = 2, 2, 4, 64
 PAD, START, LENGTH, K = 1_000_123, 3, 32, 8  # a 32-token image at position 3 kept as 8 entries
@@ -271,3 +274,80 @@ def test_a_demoted_span_keeps_its_metadata_and_dies_with_its_host_copy(cache):
     assert sum(len(f) for f in host_frees[radix_cache.FULL]) == len(PREFIX + TAIL) + K
     assert cache.host.spans == 0 and cache.spans.of_image(meta.image_key) is None
     assert _check_spans(cache) == []
+
+
+def rest_setup(cache, *, escalated=True, copy=True):
+    """A span the check escalated (keep 0.5, the config's 0.125: 4 entries at rest) whose
+    image has a host copy, entered through a request's release as the scheduler does, with an
+    answer node below it; (meta, the request, the span's node)."""
+    cache.settings = replace(cache.settings, keep=KeepRatio(keep_ratio=0.125))
+    copies = {"copy of image"} if copy else set()
+    cache.recall = SimpleNamespace(holds=lambda key: key in copies)
+    meta, slots = make_span(cache)
+    meta.keep_ratio = 0.5 if escalated else 0.125
+    meta.host = "copy of image"
+    answer = RadixKey(array("q", PREFIX + list(meta.ids) + TAIL + ANSWER))
+    extra = cache.token_to_kv_pool_allocator.alloc(len(ANSWER))
+    fill(cache.token_to_kv_pool_allocator.get_kvcache(), extra)
+    cache.insert(InsertParams(key=answer, value=torch.cat([slots, extra]).to(torch.int64),
+                              prev_prefix_len=len(slots)))  # the prefix is the tree's own
+    leaf = cache.match_prefix(MatchPrefixParams(key=answer)).last_device_node
+    node = cache.node_holding(leaf, meta.ids[0])
+    # The request that compressed it: its row holds the span; its release moves it to the tree.
+    row = cache.req_to_token_pool.req_to_token[0]
+    row[:len(PREFIX) + K] = slots[:len(PREFIX) + K]
+    req = SimpleNamespace(kv=SimpleNamespace(req_pool_idx=0), last_node=leaf)
+    meta.slots = slots[len(PREFIX):len(PREFIX) + K].to(torch.int32)
+    cache.spans.discard(meta)
+    state_of(req).fresh = [(len(PREFIX), meta)]
+    cache._attach_fresh(req)
+    return meta, req, leaf, cache.tree_core.node_by_id(node.id)
+
+
+ANSWER = [41, 42]
+
+
+def test_an_escalated_span_with_a_host_copy_goes_back_to_the_keep_ratio_once_unused(cache):
+    """At rest a later question recalls the image from its host copy: the span the check
+    escalated for its own question goes back to keep_ratio x N entries once no request uses
+    it, and the question and answer after it stay cached (a chat's next turn reuses them)."""
+    allocator = cache.token_to_kv_pool_allocator
+    pool = allocator.get_kvcache()
+    baseline = allocator.available_size()
+    meta, req, leaf, node = rest_setup(cache)
+    tail_slots = node.component(radix_cache.FULL).value[-len(TAIL):].clone()
+    tail_k = pool.k_buffer[0][tail_slots].clone()
+    lock = cache.lock(leaf)  # a request decoding on it
+    cache.on_release(req, checkpointed=True)
+    assert meta.count == K  # in use: kept as it is
+
+    cache.unlock(lock)
+    cache.on_release(req, checkpointed=True)
+
+    assert meta.count == 4 and cache.recompressed.at_rest == 1
+    assert cache.compressed_slots_held() == 4
+    ids = list(meta.ids)
+    assert matched(cache, ids + TAIL + ANSWER) == len(PREFIX) + 4 + len(TAIL) + len(ANSWER)
+    assert matched(cache, list(cache.settings.naming.ids(PAD, START, K))) == len(PREFIX)
+    value = node.component(radix_cache.FULL).value
+    assert torch.equal(value[-len(TAIL):], tail_slots)  # the text after it, in place
+    assert torch.equal(pool.k_buffer[0][tail_slots], tail_k)
+    assert allocator.available_size() == baseline - len(PREFIX) - 4 - len(TAIL) - len(ANSWER)
+    assert not cache.resting
+    cache.sanity_check()
+    cache.evict(EvictParams(num_tokens=POOL))
+    assert allocator.available_size() == baseline  # nothing leaked
+    cache.sanity_check()
+
+
+@pytest.mark.parametrize("case", ["not escalated", "no host copy", "turned off"])
+def test_a_span_stays_as_it_is_at_rest_without_an_escalation_or_a_host_copy(cache, case):
+    """Without a host copy the span is what later questions reuse: it keeps what its check
+    chose. One planned at the keep ratio has nothing to give back."""
+    meta, req, *_ = rest_setup(cache, escalated=case != "not escalated",
+                               copy=case != "no host copy")
+    if case == "turned off":
+        cache.settings = replace(cache.settings, rest_at_keep_ratio=False)
+    cache.on_release(req, checkpointed=True)
+    assert meta.count == K and cache.recompressed.at_rest == 0
+    cache.sanity_check()
