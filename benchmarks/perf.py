@@ -237,11 +237,15 @@ def capacity(model: Path, config: Path, ratio: float, stream: int, log_dir: Path
                 if out["usage"]["prompt_tokens_details"]["cached_tokens"] < 16:
                     break
                 resident += 1
+            after = internal_state(server).get("unicache") or {}
         finally:
             server.stop()
         rows.append({"server": name, "pool_tokens": pool, "images_streamed": stream,
                      "images_resident": resident, "spans_recompressed": shrunk,
-                     "spans_on_host_after_stream": stats.get("spans_on_host", 0)})
+                     "spans_on_host_after_stream": stats.get("spans_on_host", 0),
+                     # hits served from a host copy (recall) rather than the device pool
+                     "recalled": after.get("spans_recalled", 0) - stats.get("spans_recalled", 0),
+                     "host_copies_after_stream": stats.get("host_copies", 0)})
     for row in rows[1:]:
         row["ratio_vs_stock"] = round(row["images_resident"] / max(rows[0]["images_resident"], 1),
                                       2)
