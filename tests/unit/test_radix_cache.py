@@ -351,3 +351,53 @@ def test_a_span_stays_as_it_is_at_rest_without_an_escalation_or_a_host_copy(cach
     cache.on_release(req, checkpointed=True)
     assert meta.count == K and cache.recompressed.at_rest == 0
     cache.sanity_check()
+
+
+def test_a_paged_span_rests_on_a_page_boundary_and_frees_whole_pages():
+    """Page size 4: a 9-entry span after 3 prefix tokens ends on a page boundary; at rest it
+    keeps 5 entries (keep 0.125's 4, to the end of its page), the page after them is freed and
+    the tail pages stay, still matched."""
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+
+    radix_cache.register()
+    page, count, tail, answer = 4, 9, [21, 22, 23, 24], [41, 42, 43, 44]
+    pool = MHATokenToKVPool(POOL, page, torch.float32, HEADS, DIM, LAYERS, "cpu", False)
+    allocator = PagedTokenToKVPoolAllocator(POOL, page, torch.float32, "cpu", pool,
+                                            need_sort=False)
+    params = CacheInitParams(disable=False, req_to_token_pool=None,
+                             token_to_kv_pool_allocator=allocator, page_size=page,
+                             tree_components=(ComponentType.FULL,),
+                             tree_core_backend=radix_cache.BACKEND)
+    tree = radix_cache.CompressedRadixCache(params)
+    config = UniCacheConfig(method="knorm", keep_ratio=0.125)
+    tree.req_to_token_pool = SimpleNamespace(req_to_token=torch.zeros(2, POOL, dtype=torch.int32))
+    tree.enable_spans(radix_cache.SpanSettings.of(config), Slots(allocator),
+                      recall=SimpleNamespace(holds=lambda key: key == "copy"))
+    baseline = allocator.available_size()
+    slots = allocator.alloc(len(PREFIX) + count + len(tail) + len(answer))
+    fill(pool, slots)
+    ids = tree.settings.naming.ids(PAD, START, count)
+    g = torch.Generator().manual_seed(0)
+    meta = SpanMeta(namespace=(None, None), pad=PAD, start=START, length=LENGTH, ids=ids,
+                    kept=torch.arange(count).repeat(LAYERS, HEADS, 1).to(torch.int32),
+                    priority=torch.rand(LAYERS, HEADS, count, generator=g), merged=None,
+                    method="knorm", keep_ratio=0.5, host="copy")
+    key = RadixKey(array("q", PREFIX + list(ids) + tail + answer))
+    tree.insert(InsertParams(key=key, value=slots.to(torch.int64)))
+    leaf = tree.match_prefix(MatchPrefixParams(key=key)).last_device_node
+    row = tree.req_to_token_pool.req_to_token[0]
+    row[:len(slots)] = slots
+    meta.slots = slots[len(PREFIX):len(PREFIX) + count].to(torch.int32)
+    req = SimpleNamespace(kv=SimpleNamespace(req_pool_idx=0), last_node=leaf)
+    state_of(req).fresh = [(len(PREFIX), meta)]
+    tree._attach_fresh(req)
+
+    tree.on_release(req, checkpointed=True)
+
+    assert meta.count == 5 and tree.recompressed.at_rest == 1
+    assert allocator.available_size() == baseline - len(slots) + page  # one whole page back
+    assert matched(tree, list(meta.ids) + tail + answer) == len(PREFIX) + 5 + 8
+    assert len(allocator.get_all_free_pages().unique()) * page == allocator.available_size()
+    tree.sanity_check()
+    tree.evict(EvictParams(num_tokens=POOL))
+    assert allocator.available_size() == baseline
