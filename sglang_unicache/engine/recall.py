@@ -85,8 +85,8 @@ class RecallPlan:
 @dataclass
 class PendingCopy:
     key: HostKey
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    keys: list[torch.Tensor] | None  # None: the store holds this image's copy already
+    values: list[torch.Tensor] | None
 
 
 @dataclass
@@ -102,8 +102,9 @@ class Recall:
     # -- 1. copy ----------------------------------------------------------------------------------
     def take(self, req, starts: list[int], row: torch.Tensor) -> PendingCopy | None:
         """The packed full KV of the request's first image if it is among the spans starting at
-        ``starts`` (about to be compressed) and has no copy yet (read only: ``keep`` stores it
-        once the compression holds)."""
+        ``starts`` (about to be compressed), or only its key if the store holds its copy already
+        (a recalled question's own view); read only: ``keep`` stores it once the compression
+        holds."""
         state = state_of(req)
         mine = self.targets.image_spans(req)
         if state.rewrites or not mine or mine[0][0] not in starts:
@@ -111,18 +112,21 @@ class Recall:
         start, end, pad = mine[0]
         key = host_key(namespace(req), pad, start, end - start, req.origin_input_ids)
         if self.copies.get(key) is not None:
-            return None
+            return PendingCopy(key, None, None)
         index = row[start:end].to(torch.int64)
         k_buffers, v_buffers = pool_buffers(self.kv_pool)
         return PendingCopy(key, [self.copies.pack(read_entries(b, index)) for b in k_buffers],
                            [self.copies.pack(read_entries(b, index)) for b in v_buffers])
 
     def keep(self, pending: PendingCopy | None) -> HostKey | None:
-        """Store a copy ``take`` packed once its compression holds: its key, or None when
-        there was none or it does not fit the byte budget."""
-        if pending is not None and self.copies.put(pending.key, pending.keys, pending.values):
-            return pending.key
-        return None
+        """Store a copy ``take`` packed once its compression holds. The key of the image's copy
+        when the store holds one now (stored, or there already), else None (no first image, or
+        a copy over the byte budget)."""
+        if pending is None:
+            return None
+        if pending.keys is None:
+            return pending.key if pending.key in self.copies else None
+        return pending.key if self.copies.put(pending.key, pending.keys, pending.values) else None
 
     def holds(self, key) -> bool:
         """Whether the copy keyed ``key`` is in the store (not marked used)."""

@@ -215,16 +215,30 @@ class Method:
         layers: tuple[int, ...] | None,
     ) -> tuple[list[_Draft], SelfCheckResult | None]:
         """Every span drafted at one keep ratio (only ``layers``, the ones the self-check reads;
-        None: all) and the self-check of the drafts."""
+        None: all) and the self-check of the drafts. Below the escalation cap a level is first
+        checked on its KL alone, with only the checked layers planned: one that fails there is
+        escalated without planning the content layer or computing the other statistics
+        (``SelfCheck.fails_on_kl``); the verdict and the plans are those of the full check."""
         drafts = [self._draft(ctx, seg, seg_keep, align_score, identity)
                   for seg, seg_keep in self._segment_keeps(ctx, keep)]
-        for d in drafts:
-            for li in range(ctx.num_layers) if layers is None else layers:
-                d.layers[li] = self._plan_layer(ctx, d, li, scores)
-        check = None
-        if self.selfcheck is not None:
-            check = self.selfcheck.unchecked() if identity else self.selfcheck(ctx, drafts)
-        return drafts, check
+
+        def plan(which) -> None:
+            for d in drafts:
+                for li in range(ctx.num_layers) if which is None else which:
+                    if li not in d.layers:
+                        d.layers[li] = self._plan_layer(ctx, d, li, scores)
+
+        check = self.selfcheck
+        if check is None or identity:
+            plan(layers)
+            return drafts, None if check is None else check.unchecked()
+        if self.keep.can_escalate(keep) and check.decided_by_kl:
+            plan(check.checked_layers(ctx.num_layers))
+            failed = check.fails_on_kl(ctx, drafts)
+            if failed is not None:
+                return drafts, failed
+        plan(layers)
+        return drafts, check(ctx, drafts)
 
     def execute(
         self,

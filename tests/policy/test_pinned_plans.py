@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_unicache.policy import signals
+from sglang_unicache.policy.checks import selfcheck
 from sglang_unicache.policy.checks.selfcheck import key_coverage, reference_attention
 from sglang_unicache.policy.config import UniCacheConfig
 from sglang_unicache.policy.context import PlanContext
@@ -72,6 +73,29 @@ def test_a_seeded_request_gets_its_pinned_plan(name: str) -> None:
     assert plan.spans[1].layers[3].kept.tolist() == span1
     assert [int((lp.assign >= 0).sum()) - lp.kept.numel() for lp in plan.spans[0].layers] == merged
     assert _digest(plan) == digest, "kept entries or merges of some layer changed"
+
+
+def test_a_level_that_fails_on_kl_is_escalated_without_the_rest_of_the_check(monkeypatch) -> None:
+    """Below the cap a level is first checked on its KL alone: the escalating request's two
+    failed levels compute neither key_coverage nor the content layer's plan, and its plan and
+    full report are those of checking every level in full."""
+    cfg = PINNED["escalating"][0]
+    inp = make_inputs(layers=4, tokens=120, dtype=torch.bfloat16, seed=3)
+    calls = []
+    real = selfcheck.key_coverage
+    monkeypatch.setattr(selfcheck, "key_coverage", lambda *a: calls.append(1) or real(*a))
+    fast = build_method(cfg).plan(inp)
+    spans_checked = 2 * len(inp.spans)  # the last two layers, each span, once: the cap level
+    assert fast.escalations == 2 and len(calls) == spans_checked
+
+    calls.clear()
+    monkeypatch.setattr(selfcheck.SelfCheck, "fails_on_kl", lambda *a: None)
+    full = build_method(cfg).plan(inp)
+    assert len(calls) == 3 * spans_checked  # every level checked in full
+    assert _digest(fast) == _digest(full) and fast.keep_ratio == full.keep_ratio
+    assert fast.selfcheck.passed == full.selfcheck.passed
+    for name, value in full.selfcheck.stats.items():
+        assert fast.selfcheck.stats[name] == pytest.approx(value, abs=1e-6), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

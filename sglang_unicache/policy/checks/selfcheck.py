@@ -72,6 +72,7 @@ from sglang_unicache.policy.plans import CompressionPlan, SelfCheckResult
 Tensor = torch.Tensor
 
 CONTENT_LAYER = 0  # content_lost reads the first layer: the image as the vision encoder gave it
+KL_STATISTICS = ("kl", "kl_head")  # what ``layer_stats(kl_only=True)`` returns, in that order
 
 
 def reference_attention(ctx, layer: int, q: Tensor, pos: Tensor, rows: Tensor,
@@ -187,9 +188,11 @@ def member_kl(log_qc: Tensor, log_p: Tensor, assign: Tensor, weight: Tensor) -> 
     return torch.where(ok & torch.isfinite(term), term, torch.zeros_like(term)).sum(-1)
 
 
-def layer_stats(ctx, layer: int, plans: list[CompressionPlan]) -> Tensor | None:
+def layer_stats(ctx, layer: int, plans: list[CompressionPlan], kl_only: bool = False
+                ) -> Tensor | None:
     """One layer's statistics, in the order of config's ``SELFCHECK_QUERY_STATISTICS``, or None
-    (no valid observation query)."""
+    (no valid observation query). ``kl_only``: just ``kl`` and ``kl_head`` (what a level that
+    fails on them needs: ``SelfCheck.fails_on_kl``)."""
     inp = ctx.inputs
     plans = [p for p in plans if not p.skipped]
     if not plans:
@@ -205,8 +208,9 @@ def layer_stats(ctx, layer: int, plans: list[CompressionPlan]) -> Tensor | None:
         k_c, v_c = execute_layer(lp, ctx.keys(layer)[sl], ctx.values(layer)[sl])
         l_comp = _logits(q, k_c, inp.scale).masked_fill(~sees, float("-inf"))
         parts.append((lp, log_p, p_span, l_comp, v_c))
-        seen = ctx.cached(f"selfcheck coverage {p.span.start}", layer, dict)
-        coverage.append(key_coverage(unit, lp.kept, seen))
+        if not kl_only:
+            seen = ctx.cached(f"selfcheck coverage {p.span.start}", layer, dict)
+            coverage.append(key_coverage(unit, lp.kept, seen))
     lse_q = lse_rest
     for *_, l_comp, _ in parts:
         lse_q = torch.logaddexp(lse_q, torch.logsumexp(l_comp, dim=-1))
@@ -216,12 +220,18 @@ def layer_stats(ctx, layer: int, plans: list[CompressionPlan]) -> Tensor | None:
     image_kept = torch.zeros_like(lse_p)
     for lp, log_p, p_span, l_comp, v_c in parts:
         log_qc = l_comp - safe_q.unsqueeze(-1)  # [H, G, W, K]
+        kl = kl + member_kl(log_qc, log_p, lp.assign, lp.weight)
+        if kl_only:
+            continue
         h, g, w, _ = log_qc.shape
         vh = v_c.float().transpose(0, 1)  # [H, K, D]
         out_q = out_q + torch.einsum("hgwk,hkd->hgwd", torch.exp(log_qc), vh)
-        kl = kl + member_kl(log_qc, log_p, lp.assign, lp.weight)
         kept = lp.kept.long().view(h, 1, 1, -1).expand(h, g, w, -1)
         image_kept = image_kept + torch.gather(p_span, 3, kept).sum(-1)
+    if kl_only:
+        per_kv_head = kl.mean(dim=(1, 2)).unsqueeze(1)  # [H, 1]
+        return torch.stack([ctx.shards.mean(per_kv_head)[0],
+                            ctx.shards.max(per_kv_head[:, 0].max())])
     image_p = ref["image_p"]
     out_p = ref["out_p"]
     error = (out_q - out_p).norm(dim=-1) / out_p.norm(dim=-1).clamp_min(1e-12)
@@ -314,6 +324,31 @@ class SelfCheck:
         """Every layer whose plan the check reads (the checked layers and ``CONTENT_LAYER``):
         the compressor plans only these until a level passes."""
         return tuple(sorted({CONTENT_LAYER, *self.checked_layers(num_layers)}))
+
+    @property
+    def decided_by_kl(self) -> bool:
+        """Whether the deciding statistic is one ``fails_on_kl`` computes alone."""
+        return self.statistic in KL_STATISTICS
+
+    def fails_on_kl(self, ctx, plans: list[CompressionPlan]) -> SelfCheckResult | None:
+        """The failed result of plans whose deciding statistic (``kl`` or ``kl_head``) alone is
+        over the threshold, computed without the other statistics, ``content_lost`` or the
+        content layer's plan; None when it is not (the full check decides). A level below the
+        escalation cap that fails here is escalated at the cost of its KL; only the level that
+        settles is checked in full, so the reported statistics are the same."""
+        if not self.decided_by_kl or not ctx.has_queries or all(p.skipped for p in plans):
+            return None
+        layers = self.checked_layers(ctx.num_layers)
+        per_layer = [v for v in (layer_stats(ctx, li, plans, kl_only=True) for li in layers)
+                     if v is not None]
+        if not per_layer:
+            return None
+        worst = dict(zip(KL_STATISTICS, torch.stack(per_layer).amax(dim=0).tolist(), strict=True))
+        value = worst[self.statistic]
+        if value <= self.threshold:
+            return None
+        return SelfCheckResult(self.statistic, value, self.threshold, layers, True, False, worst,
+                               self.content_threshold)
 
     def __call__(self, ctx, plans: list[CompressionPlan]) -> SelfCheckResult:
         """Run the check over the last ``layers`` layers. ``plans``' ``layers`` need hold only
