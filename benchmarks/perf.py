@@ -61,8 +61,9 @@ WORKLOAD_MODEL = {"hidden": 512, "layers": 8, "image_size": IMAGE_SIZE, "context
 
 
 def image(i: int, size: int = IMAGE_SIZE) -> bytes:
-    """Picture ``i``: one colour, ``(size / 28) ** 2`` visual tokens."""
-    return solid_png(((37 * i) % 256, (91 * i) % 256, (53 * i + 7) % 256), size=size)
+    """Picture ``i``: one colour, ``(size / 28) ** 2`` visual tokens; distinct for every ``i``
+    below 65,536 (the colours repeat every 256 ``i``, so ``i // 256`` shifts the blue)."""
+    return solid_png(((37 * i) % 256, (91 * i) % 256, (53 * i + 7 + i // 256) % 256), size=size)
 
 
 def head_dim(model: Path) -> int:
