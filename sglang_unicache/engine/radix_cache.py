@@ -1,7 +1,7 @@
 """The radix cache ``--unicache`` selects: SGLang's UnifiedRadixCache, aware of compressed spans.
 
 Registered as radix-cache backend ``unicache`` (``sglang.srt.mem_cache.registry``) and chosen
-automatically with ``--unicache``. It differs from the default cache in three ways:
+automatically with ``--unicache``. It differs from the default cache in four ways:
 
 - It runs the Python tree core (``SpanTreeCore``), whose nodes carry each compressed span's
   metadata (``spans.SpanMeta``) in the Full component's node metadata, and which refuses to split
@@ -16,6 +16,11 @@ automatically with ``--unicache``. It differs from the default cache in three wa
   floor is evicted whole. A shrink counts as a touch: the shrunk leaf goes behind every other
   leaf of the eviction walk, so every cached image is halved once before any is halved twice,
   and one walk goes on until it has freed what it was asked for.
+
+- At rest, with host copies (``recall.py``): a span its request's self-check escalated goes back
+  to the keep ratio's entries once no request uses it (``on_release``, ``KeepRatio.at_rest``),
+  in place, keeping the text after it and the nodes below: the host copy serves later questions,
+  the span their prefix match and the chat's history.
 
 A request using a span locks its node, so a span is never re-compressed under a running request.
 
