@@ -117,9 +117,9 @@ def _check_spans(tree) -> list[str]:
     if tree.host.spans != tree.count_on_host():
         errors.append(f"spans_on_host {tree.host.spans} != the {tree.count_on_host()} host-only "
                       "nodes' spans")
-    unused = [meta for node, meta in tree.resting.values() if node.component(FULL).lock_ref == 0]
+    unused = tree.resting_unused()
     if unused:
-        errors.append(f"{len(unused)} escalated span(s) with a host copy unused and not back at "
+        errors.append(f"{unused} escalated span(s) with a host copy unused and not back at "
                       "the keep ratio")
     indexed = {id(m) for copies in tree.spans.by_image.values() for m in copies}
     stale = indexed - attached

@@ -361,16 +361,26 @@ class CompressedRadixCache(UnifiedRadixCache):
         after it (the chat's history) and its children. A span whose copy is gone keeps its
         count: it is what a later question reuses then."""
         for key, (node, meta) in list(self.resting.items()):
-            cd = node.component(FULL)
-            if cd.lock_ref > 0 and cd.value is not None and not node.backuped:
-                continue
+            node = _holder(node, meta)
+            # Evicted, demoted, or backed up by HiCache (its host copy must stay exact): gone.
+            gone = node is None or node.component(FULL).value is None or node.backuped
+            if not gone and node.component(FULL).lock_ref > 0:
+                continue  # in use: wait for its release
             del self.resting[key]
-            if cd.value is None or node.backuped or spans_of(node).get(meta.ids[0]) is not meta:
-                continue  # evicted, demoted, or backed up by HiCache (its host copy stays exact)
+            if gone:
+                continue
             at = list(node.key.raw_token_ids()).index(meta.ids[0])
             k_new = page_end(at + self._rest_count(meta), self.page_size) - at
             if k_new < meta.count and self._shrink(node, at, meta, k_new, keep_tail=True):
                 self.recompressed.at_rest += 1
+
+    def resting_unused(self) -> int:
+        """Spans still waiting to rest whose node is on the device and used by no request
+        (``_rest`` should have shrunk them at the last release; ``check_integrity``)."""
+        nodes = [_holder(node, meta) for node, meta in self.resting.values()]
+        return sum(1 for node in nodes if node is not None and not node.backuped
+                   and node.component(FULL).value is not None
+                   and node.component(FULL).lock_ref == 0)
 
     def node_holding(self, last_node_id, first_id: int):
         """The node on the path from the root to node ``last_node_id`` whose key holds
@@ -508,6 +518,14 @@ class CompressedRadixCache(UnifiedRadixCache):
         self.slots.free(freed)
         self.recompressed.slots_freed += freed.numel()
         return freed.numel()
+
+
+def _holder(node, meta: SpanMeta):
+    """The node holding ``meta`` now: ``node``, or the ancestor a split moved it to (a split
+    puts the new node above the one it splits); None once it left the tree."""
+    while node is not None and spans_of(node).get(meta.ids[0]) is not meta:
+        node = node.parent
+    return node
 
 
 def _forget_hashes(node) -> None:

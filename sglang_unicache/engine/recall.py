@@ -125,12 +125,12 @@ class Recall:
         if pending is None:
             return None
         if pending.keys is None:
-            return pending.key if pending.key in self.copies else None
+            return pending.key if self.holds(pending.key) else None
         return pending.key if self.copies.put(pending.key, pending.keys, pending.values) else None
 
     def holds(self, key) -> bool:
-        """Whether the copy keyed ``key`` is in the store (not marked used)."""
-        return key is not None and key in self.copies
+        """Whether the copy keyed ``key`` (None: no copy) is in the store (not marked used)."""
+        return key in self.copies
 
     # -- 2. decide --------------------------------------------------------------------------------
     def decide(self, req) -> bool:

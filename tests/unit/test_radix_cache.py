@@ -401,3 +401,21 @@ def test_a_paged_span_rests_on_a_page_boundary_and_frees_whole_pages():
     tree.sanity_check()
     tree.evict(EvictParams(num_tokens=POOL))
     assert allocator.available_size() == baseline
+
+
+def test_a_span_whose_node_was_split_after_it_still_rests(cache):
+    """Another question after the same span splits its node: the span moves to the new node
+    above, and still goes back to the keep ratio at its release."""
+    meta, req, leaf, node = rest_setup(cache)
+    slots = node.component(radix_cache.FULL).value[:len(PREFIX) + K]
+    other = RadixKey(array("q", PREFIX + list(meta.ids) + [99]))
+    extra = cache.token_to_kv_pool_allocator.alloc(1)
+    cache.insert(InsertParams(key=other, value=torch.cat([slots, extra]).to(torch.int64),
+                              prev_prefix_len=len(slots)))
+    assert radix_cache.spans_of(node) == {}  # the span moved up with the split
+
+    cache.on_release(req, checkpointed=True)
+
+    assert meta.count == 4 and cache.recompressed.at_rest == 1
+    assert matched(cache, list(meta.ids) + [99]) == len(PREFIX) + 4 + 1
+    cache.sanity_check()
