@@ -361,13 +361,11 @@ class CompressedRadixCache(UnifiedRadixCache):
         after it (the chat's history) and its children. A span whose copy is gone keeps its
         count: it is what a later question reuses then."""
         for key, (node, meta) in list(self.resting.items()):
-            node = _holder(node, meta)
-            # Evicted, demoted, or backed up by HiCache (its host copy must stay exact): gone.
-            gone = node is None or node.component(FULL).value is None or node.backuped
-            if not gone and node.component(FULL).lock_ref > 0:
+            node = _restable(node, meta)
+            if node is not None and node.component(FULL).lock_ref > 0:
                 continue  # in use: wait for its release
             del self.resting[key]
-            if gone:
+            if node is None:
                 continue
             at = list(node.key.raw_token_ids()).index(meta.ids[0])
             k_new = page_end(at + self._rest_count(meta), self.page_size) - at
@@ -377,10 +375,8 @@ class CompressedRadixCache(UnifiedRadixCache):
     def resting_unused(self) -> int:
         """Spans still waiting to rest whose node is on the device and used by no request
         (``_rest`` should have shrunk them at the last release; ``check_integrity``)."""
-        nodes = [_holder(node, meta) for node, meta in self.resting.values()]
-        return sum(1 for node in nodes if node is not None and not node.backuped
-                   and node.component(FULL).value is not None
-                   and node.component(FULL).lock_ref == 0)
+        nodes = [_restable(node, meta) for node, meta in self.resting.values()]
+        return sum(1 for node in nodes if node is not None and node.component(FULL).lock_ref == 0)
 
     def node_holding(self, last_node_id, first_id: int):
         """The node on the path from the root to node ``last_node_id`` whose key holds
@@ -520,11 +516,14 @@ class CompressedRadixCache(UnifiedRadixCache):
         return freed.numel()
 
 
-def _holder(node, meta: SpanMeta):
-    """The node holding ``meta`` now: ``node``, or the ancestor a split moved it to (a split
-    puts the new node above the one it splits); None once it left the tree."""
+def _restable(node, meta: SpanMeta):
+    """The node holding ``meta`` now (``node``, or the ancestor a split moved it to: a split
+    puts the new node above the one it splits), if the span can still rest there; None once it
+    left the tree, was evicted or demoted, or HiCache backed it up (that copy must stay exact)."""
     while node is not None and spans_of(node).get(meta.ids[0]) is not meta:
         node = node.parent
+    if node is None or node.component(FULL).value is None or node.backuped:
+        return None
     return node
 
 
