@@ -21,7 +21,7 @@ demo: setup
 	$(PY) -m examples.demo
 
 test: setup
-	$(PY) -m pytest -q -p no:warnings
+	$(PY) -m pytest -q -p no:warnings --durations=25
 
 lint: setup
 	$(VENV)/bin/ruff check sglang_unicache tests benchmarks examples tools
