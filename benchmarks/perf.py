@@ -263,10 +263,11 @@ def images_chat(pngs: list[bytes], question: str, **params) -> dict:
 
 
 def overhead(model: Path, config: Path, methods: list[str], ratio: float, log_dir: Path,
-             requests: int = 6, images: int = 1, size: int = IMAGE_SIZE) -> list[dict]:
-    rows = []
-    runs = [(method, flags_for(method, ratio, config)) for method in methods]
-    runs.append(("unicache, defaults as shipped", SHIPPED))
+             requests: int = 6, images: int = 1, size: int = IMAGE_SIZE,
+             extra: list[str] | None = None) -> list[dict]:
+    rows, extra = [], extra or []
+    runs = [(method, flags_for(method, ratio, config) + extra) for method in methods]
+    runs.append(("unicache, defaults as shipped", SHIPPED + extra))
     for method, flags in runs:
         server = start_server(model, flags, log_dir / "overhead.log")
         try:
@@ -325,6 +326,10 @@ def main() -> None:
     parser.add_argument("--rows", default="",
                         help="capacity parts: run stock and only the rows whose name holds "
                              "one of these comma-separated strings")
+    parser.add_argument("--server-args", default="",
+                        help="workload, overhead-large and recall parts: flags added to every "
+                             "server, stock included (e.g. --dtype float32 where the CPU has no "
+                             "native bf16 matmul)")
     parser.add_argument("--out", default="runs/perf.json")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp())
@@ -335,6 +340,7 @@ def main() -> None:
     log_dir = Path("runs/perf-logs")
     start = time.perf_counter()
     parts = args.parts.split(",")
+    extra = args.server_args.split()
     results = {}
     if "memory" in parts:
         results["memory"] = memory_per_image(model, config,
@@ -361,9 +367,10 @@ def main() -> None:
             **{**WORKLOAD_MODEL, "image_size": args.image_px})
         results["overhead-large"] = overhead(large, config, args.methods.split(","), 0.1,
                                              log_dir, images=args.overhead_images,
-                                             size=args.image_px)
-    servers = {"stock": flags_for(None, 0.1, config),
-               f"unicache {args.method} keep 0.1": flags_for(args.method, 0.1, config)}
+                                             size=args.image_px, extra=extra)
+    servers = {"stock": flags_for(None, 0.1, config) + extra,
+               f"unicache {args.method} keep 0.1": flags_for(args.method, 0.1, config) + extra}
+    shipped_row = {name: flags + extra for name, flags in SHIPPED_ROW.items()}
     if "workload" in parts:
         results["workload"] = workload(model, servers, log_dir, images=args.images,
                                        conversations=args.conversations, turns=args.turns,
@@ -372,7 +379,7 @@ def main() -> None:
         large = Path(args.workload_model) if args.workload_model else build_tiny_qwen2_vl(
             work / f"tiny-qwen2-vl-workload-{args.image_px}",
             **{**WORKLOAD_MODEL, "image_size": args.image_px})
-        results["workload-large"] = workload(large, {**servers, **SHIPPED_ROW}, log_dir,
+        results["workload-large"] = workload(large, {**servers, **shipped_row}, log_dir,
                                              images=args.images,
                                              conversations=args.conversations,
                                              turns=args.turns, concurrency=args.clients,
@@ -380,7 +387,7 @@ def main() -> None:
     if "recall" in parts:
         large = Path(args.workload_model) if args.workload_model else build_tiny_qwen2_vl(
             work / "tiny-qwen2-vl-workload-448", **WORKLOAD_MODEL)
-        results["recall"] = recall_costs(large, config, log_dir)
+        results["recall"] = recall_costs(large, config, log_dir, extra=extra)
     if "decode" in parts:
         decode_model = Path(args.decode_model) if args.decode_model else build_tiny_qwen2_vl(
             work / "tiny-qwen2-vl-decode", **DECODE_MODEL)

@@ -89,9 +89,9 @@ def later_questions(server, images: int, image_px: int) -> dict:
 
 
 def recall_costs(model: Path, config: Path, log_dir: Path, *, images: int = 6,
-                 image_px: int = 448) -> list[dict]:
+                 image_px: int = 448, extra: list[str] | None = None) -> list[dict]:
     """The rows of the module docstring, then each row's ratio to stock with the image
-    resident."""
+    resident. ``extra``: flags added to every server (the bytes columns assume bf16 KV)."""
     nocheck = config.with_name("policy-recall.json")
     nocheck.write_text(json.dumps({"selfcheck": False}))
     nocopies = config.with_name("policy-no-copies.json")
@@ -100,7 +100,7 @@ def recall_costs(model: Path, config: Path, log_dir: Path, *, images: int = 6,
     tokens = visual_tokens(image_px)
     rows = []
     for i, (name, flags) in enumerate(recall_servers(nocheck, nocopies, image_px).items()):
-        server = start_server(model, flags, log_dir / f"recall-{i}.log")
+        server = start_server(model, [*flags, *(extra or [])], log_dir / f"recall-{i}.log")
         try:
             chat(server, image_chat(picture(65_000, image_px), "what colour is it?",
                                     max_tokens=2))

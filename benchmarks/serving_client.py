@@ -10,8 +10,12 @@ escalations, fallbacks, recalls. The client's images are random noise, so every 
 nothing is reused, and the rows measure the plugin's cost on the way to memory savings.
 ``--profile`` samples each scheduler with py-spy during the client's run and adds its phase shares
 (``scheduler_phases.py``) to the row (the sampling slows the server: time it without).
+``--server-args`` adds flags to every server, stock included: ``--dtype float32`` computes in
+fp32 where the CPU has no native bf16 matrix multiply (AVX2 only: bf16 GEMMs run about 7x slower
+than fp32 there, and the servers are then bound by that emulation, not by their KV).
 
     python -m benchmarks.serving_client --out runs/serving-client.json
+    python -m benchmarks.serving_client --server-args="--dtype float32" --out runs/sc-fp32.json
     python -m benchmarks.serving_client --profile --workloads "pool free" --out runs/sc-prof.json
 """
 
@@ -64,14 +68,14 @@ def run_client(server, model: Path, workload: list[str], out: Path) -> dict:
 
 
 def measure(model: Path, config: Path, log_dir: Path, workloads: list[str],
-            profile: bool = False) -> list[dict]:
+            profile: bool = False, extra: tuple[str, ...] = ()) -> list[dict]:
     rows = []
     for workload, parts in WORKLOADS.items():
         if not any(w in workload for w in workloads):
             continue
         base = None
         for i, (name, flags) in enumerate(servers(config).items()):
-            server = start_server(model, [*flags, *parts["server"]],
+            server = start_server(model, [*flags, *parts["server"], *extra],
                                   log_dir / f"serving-client-{len(rows)}.log")
             try:
                 flush_cache(server)
@@ -110,8 +114,11 @@ def main() -> None:
                         help="comma-separated: the workloads whose name holds one of these")
     parser.add_argument("--profile", action="store_true",
                         help="py-spy each scheduler during the client's run (phase shares)")
+    parser.add_argument("--server-args", default="",
+                        help="flags added to every server, stock included (e.g. --dtype float32)")
     parser.add_argument("--out", default="runs/serving-client.json")
     args = parser.parse_args()
+    extra = tuple(args.server_args.split())
     work = Path(tempfile.mkdtemp())
     model = Path(args.model) if args.model else build_tiny_qwen2_vl(
         work / "tiny-qwen2-vl-serving", **WORKLOAD_MODEL)
@@ -120,9 +127,9 @@ def main() -> None:
     start = time.perf_counter()
     log_dir = Path("runs/perf-logs")
     log_dir.mkdir(parents=True, exist_ok=True)
-    rows = measure(model, config, log_dir, args.workloads.split(","), args.profile)
+    rows = measure(model, config, log_dir, args.workloads.split(","), args.profile, extra)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"rows": rows,
+    Path(args.out).write_text(json.dumps({"rows": rows, "server_args": list(extra),
                                           "seconds": round(time.perf_counter() - start)},
                                          indent=1))
     print_table(rows)

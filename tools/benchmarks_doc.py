@@ -72,8 +72,11 @@ that of the project's environment (`make setup`), not recorded by the runs thems
 
 Every part ran on the CPU platform (`unicache_cpu`) of a shared 2-core machine with no GPU:
 absolute times move from run to run, so read the ratios against stock SGLang measured in the same
-run. "Defaults as shipped" is `--unicache` and nothing else (method `unicache`, keep 0.1, the
-self-check on); wherever a part measured them they have their own row. The random-weight models
+run. Which CPU a run drew matters more than the load: where it has no native bf16 matrix multiply
+(AVX2 only, as the stamps from `cpu_kind` say), a bf16 server's GEMMs run about 7x slower than in
+fp32 and every server, stock included, is bound by them. "Defaults as shipped" is `--unicache`
+and nothing else (method `unicache`, keep 0.1, the self-check on); wherever a part measured them
+they have their own row. The random-weight models
 of the performance parts are not the trained ones: their attention says nothing about quality,
 and the self-check escalates on them where it does not on the trained model. No GPU numbers yet:
 the same scripts run on one with `SGLANG_PLATFORM= make bench` and `SGLANG_PLATFORM= make
@@ -221,6 +224,26 @@ def _git(*args: str) -> str:
     return subprocess.check_output(["git", *args], text=True).strip()
 
 
+def cpu_kind() -> str:
+    """The CPU's model and its widest matrix path, from ``/proc/cpuinfo``: without AVX-512 BF16
+    or AMX, torch's bf16 matrix multiplies run several times slower than fp32 (about 7x on an
+    AVX2-only EPYC), so a bf16 server's speed depends on which CPU the run drew."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown CPU"
+    first = {}  # the first CPU's fields
+    for line in lines:
+        name, _, value = line.partition(":")
+        first.setdefault(name.strip(), value.strip())
+    model = first.get("model name", "unknown CPU")
+    flags = set(first.get("flags", "").split())
+    if flags & {"amx_bf16", "avx512_bf16"}:
+        return f"{model}, native bf16 matmul"
+    widest = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{model}, {widest}, no native bf16 matmul"
+
+
 def current_stamp() -> dict:
     """The stamp of a run made now, on this checkout and machine."""
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -236,8 +259,8 @@ def current_stamp() -> dict:
     return {"commit": _git("rev-parse", "--short=7", "HEAD"),
             "date": _git("log", "-1", "--format=%ad", "--date=short"),
             "sglang": metadata.version("sglang"), "torch": torch_version,
-            "machine": f"{os.cpu_count()}-core {platform.machine()} CPU, {memory:.0f} GB, "
-                       f"{accelerator}"}
+            "machine": f"{os.cpu_count()}-core {platform.machine()} CPU ({cpu_kind()}), "
+                       f"{memory:.0f} GB, {accelerator}"}
 
 
 if __name__ == "__main__":
