@@ -306,7 +306,8 @@ class Method:
         if align_score is not None and cfg.protect_alignment and not skipped:
             a = align_score[seg.start : seg.end]
             cand = (a >= cfg.alignment_threshold) & ~forced
-            n_prot = protected_count(int(cand.sum()), int(budgets.min()), n, cfg.alignment_discount)
+            n_prot = protected_count(int(cand.sum()), int(budgets.min()), n,
+                                     cfg.alignment_discount, cfg.alignment_max_share)
             n_prot = min(n_prot, int(budgets.min()) - n_user)
             if n_prot > 0:
                 top = torch.topk(torch.where(cand, a, torch.full_like(a, -1.0)), n_prot).indices

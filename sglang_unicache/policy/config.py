@@ -156,6 +156,8 @@ class UniCacheConfig:
     protect_alignment: bool = doc(True, section="alignment protection (seed §5.3)")
     alignment_threshold: float = 0.3
     alignment_discount: float = 0.5
+    alignment_max_share: float = doc(
+        0.5, "most of a span's smallest layer budget protection may take (ours: the rest by score)")
 
     merge_threshold: float = doc(
         0.8, "redundancy above this -> merged into a kept entry", section="execution (seed §6)"
@@ -267,6 +269,7 @@ class UniCacheConfig:
             "text_rate_cap",
             "alignment_threshold",
             "alignment_discount",
+            "alignment_max_share",
             "merge_threshold",
             "evict_low",
             "evict_high",

@@ -136,6 +136,10 @@ def test_alignment_discount_count() -> None:
     assert protected_count(10, 20, 100, 0.5) == 6
     assert protected_count(10, 3, 100, 0.5) == 3  # never above the budget
     assert protected_count(10, 100, 100, 0.5) == 10
+    # Half the budget at most by default: one entry is the score's, six give three.
+    assert protected_count(10, 1, 64, 0.5, max_share=0.5) == 0
+    assert protected_count(10, 6, 64, 0.5, max_share=0.5) == 3
+    assert protected_count(2, 20, 100, 0.5, max_share=0.5) == 2
 
 
 def test_aircache_layer_budgets_follow_strength_and_skewness() -> None:
