@@ -24,6 +24,8 @@ then once:
 4. **decode**: time per output token of stock and keep 0.1 while a batch decodes together
    (on a GPU 8 requests with 4 x 1,024 image tokens each; dry: 2 requests, 1 x 64).
 
+Steps run one at a time (on a GPU each server takes most of the device's memory); ``--jobs N``
+runs up to N side by side where servers can share the machine (the dry run: its test passes 3).
 It writes one JSON (every step's numbers and verdict, ``ok`` overall) and exits 1 if a step
 failed. On a GPU machine run it with ``SGLANG_PLATFORM`` empty so SGLang picks CUDA (the script
 sets it so unless ``--dry``). The plugin warms its kernels at server start
@@ -39,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 GPU_BACKENDS = ("fa3", "flashinfer", "triton")
@@ -184,6 +187,9 @@ def main() -> None:
     parser.add_argument("--dry", action="store_true",
                         help="the CPU platform: torch_native, small shapes, kernels interpreted")
     parser.add_argument("--backends", default="", help="comma-separated (default: all there)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="steps run side by side (default 1; only where servers share the "
+                             "machine, e.g. --dry)")
     parser.add_argument("--out", default="runs/gpu-check.json")
     args = parser.parse_args()
     if not args.dry:
@@ -197,15 +203,22 @@ def main() -> None:
     config = work / "nocheck.json"
     config.write_text(json.dumps({"selfcheck": False}))
     model = build_tiny_qwen2_vl(work / "model")  # 224 px: 64 visual tokens an image
-    result: dict = {"dry": args.dry, "backends": {}}
-    for backend in args.backends.split(",") if args.backends else backends(args.dry):
-        result["backends"][backend] = {
-            "identity": identity(model, backend, logs),
-            "compression": compression(model, backend, config, logs, image_tokens=64),
-            "compression_paged": compression(model, backend, config, logs, image_tokens=64,
-                                             page=PAGE)}
-    result["kernels"] = kernels(args.dry)
-    result["decode"] = decode(args.dry, work, config, logs)
+    names = args.backends.split(",") if args.backends else backends(args.dry)
+    # The longest steps first (decode and identity start two servers each), so side by side they
+    # finish together.
+    jobs = {(None, "decode"): lambda: decode(args.dry, work, config, logs)}
+    for backend in names:
+        jobs[backend, "identity"] = lambda b=backend: identity(model, b, logs)
+        jobs[backend, "compression"] = lambda b=backend: compression(model, b, config, logs,
+                                                                     image_tokens=64)
+        jobs[backend, "compression_paged"] = lambda b=backend: compression(
+            model, b, config, logs, image_tokens=64, page=PAGE)
+    jobs[None, "kernels"] = lambda: kernels(args.dry)
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        done = {key: pool.submit(fn) for key, fn in jobs.items()}
+    result: dict = {"dry": args.dry, "backends": {b: {} for b in names}}
+    for (backend, step), future in done.items():
+        (result if backend is None else result["backends"][backend])[step] = future.result()
     steps = [s for b in result["backends"].values() for s in b.values()]
     steps += [result["kernels"], result["decode"]]
     result["ok"] = all(step["ok"] for step in steps)

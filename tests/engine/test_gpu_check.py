@@ -12,13 +12,15 @@ from pathlib import Path
 from tests.support.server import cpu_env
 
 REPO = Path(__file__).resolve().parents[2]
+JOBS = 3
 
 
 def test_the_gpu_check_passes_dry_on_the_cpu_platform(tmp_path, server_factory):
-    server_factory.make_room(1)  # its servers run one at a time
+    server_factory.make_room(JOBS)  # up to JOBS of its servers run side by side
     out = tmp_path / "gpu-check.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry", "--out",
-                           str(out)], capture_output=True, text=True, timeout=1200,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry", "--jobs",
+                           str(JOBS), "--out", str(out)], capture_output=True, text=True,
+                          timeout=1200,
                           env=cpu_env(), cwd=REPO)
     assert out.exists(), proc.stderr[-3000:]
     result = json.loads(out.read_text())
