@@ -34,14 +34,14 @@ def test_later_questions_answer_as_stock_with_exact_copies(model, server_factory
 
 
 def readme_square() -> bytes:
-    """The README's example image: a plain red square, whose check escalates once as shipped."""
+    """The README's example image: a plain blue square, whose check escalates once as shipped."""
     out = io.BytesIO()
-    Image.new("RGB", (224, 224), (200, 30, 30)).save(out, "PNG")
+    Image.new("RGB", (224, 224), (30, 30, 200)).save(out, "PNG")
     return out.getvalue()
 
 
 def test_an_escalated_span_rests_at_the_keep_ratio_and_keeps_its_chat(server_factory, tmp_path):
-    """As shipped, the README's red square escalates to keep 0.2 (13 slots) for its first
+    """As shipped, the README's blue square escalates to keep 0.2 (13 slots) for its first
     question, which decodes on that view. Once the request is done the device keeps
     round(0.1 x 64) = 6 entries: the host copy serves later questions over the whole image. The
     chat's first turn stays cached behind the span, so the next turn recalls it as history."""
