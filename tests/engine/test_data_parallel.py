@@ -51,25 +51,6 @@ def test_each_image_is_compressed_once_and_reused_on_its_replica(server_factory,
     assert gauge == [held], "the gauge is the sum over the replicas"
 
 
-def test_later_questions_recall_on_the_replica_holding_the_copy(server_factory,
-                                                                nocheck_config) -> None:
-    server = server_factory("--unicache", "--unicache-keep-ratio", "0.1", "--unicache-config",
-                            nocheck_config, "--dp-size", "2", "--enable-cache-report")
-    flush_cache(server)
-    before = replicas(server)
-    for question in ("what colour is it?", "describe the picture"):
-        for colour in COLOURS:
-            chat(server, image_chat(solid_png(colour), question, max_tokens=2))
-    after = replicas(server)
-    grew = [{key: a[key] - b[key] for key in ("spans_recalled", "images_prefilled",
-                                               "host_copies_stored")}
-            for a, b in zip(after, before, strict=True)]
-    assert sum(g["host_copies_stored"] for g in grew) == len(COLOURS)
-    assert sum(g["spans_recalled"] for g in grew) == len(COLOURS)  # each on its copy's replica
-    assert sum(g["images_prefilled"] for g in grew) == len(COLOURS)  # encoded once each
-    assert all(state["integrity"] == [] for state in after)
-
-
 def test_an_idle_dp_controller_sleeps(server_factory, nocheck_config) -> None:
     """SGLang's data-parallel controller polls its socket without blocking; on a 2-core host an
     idle ``--dp-size 2`` server took a whole core (and a test run with two of them alive timed
@@ -90,6 +71,25 @@ def test_an_idle_dp_controller_sleeps(server_factory, nocheck_config) -> None:
     time.sleep(5)
     busy = sum(controllers[0].cpu_times()[:2]) - before
     assert busy < 1.0, f"the idle controller used {busy:.1f} s of CPU in 5 s"
+
+
+def test_later_questions_recall_on_the_replica_holding_the_copy(server_factory,
+                                                                nocheck_config) -> None:
+    server = server_factory("--unicache", "--unicache-keep-ratio", "0.1", "--unicache-config",
+                            nocheck_config, "--dp-size", "2", "--enable-cache-report")
+    flush_cache(server)
+    before = replicas(server)
+    for question in ("what colour is it?", "describe the picture"):
+        for colour in COLOURS:
+            chat(server, image_chat(solid_png(colour), question, max_tokens=2))
+    after = replicas(server)
+    grew = [{key: a[key] - b[key] for key in ("spans_recalled", "images_prefilled",
+                                               "host_copies_stored")}
+            for a, b in zip(after, before, strict=True)]
+    assert sum(g["host_copies_stored"] for g in grew) == len(COLOURS)
+    assert sum(g["spans_recalled"] for g in grew) == len(COLOURS)  # each on its copy's replica
+    assert sum(g["images_prefilled"] for g in grew) == len(COLOURS)  # encoded once each
+    assert all(state["integrity"] == [] for state in after)
 
 
 def test_dp_routing_false_gives_sglang_its_routing_back(server_factory, tmp_path_factory) -> None:
