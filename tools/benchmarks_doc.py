@@ -76,9 +76,9 @@ run. Which CPU a run drew matters more than the load: where it has no native bf1
 (AVX2 only, as the stamps from `cpu_kind` say), a bf16 server's GEMMs run about 7x slower than in
 fp32 and every server, stock included, is bound by them. "Defaults as shipped" is `--unicache`
 and nothing else (method `unicache`, keep 0.1, the self-check on); wherever a part measured them
-they have their own row. The random-weight models
-of the performance parts are not the trained ones: their attention says nothing about quality,
-and the self-check escalates on them where it does not on the trained model. No GPU numbers yet:
+they have their own row. The random-weight models of the performance parts are not the trained
+ones: their attention says nothing about quality, and the self-check escalates on them where it
+does not on the trained model. No GPU numbers yet:
 the same scripts run on one with `SGLANG_PLATFORM= make bench` and `SGLANG_PLATFORM= make
 quality` (an empty `SGLANG_PLATFORM` lets SGLang pick CUDA), and `make gpu-check` checks every
 attention backend there in one command (`benchmarks/gpu_check.py`; its dry run is tested here).

@@ -133,9 +133,9 @@ def test_layer_dependent_weights() -> None:
 
 def test_alignment_discount_count() -> None:
     # rate 0.8, discount 0.5 -> aligned tokens compressed at 0.4 -> keep ceil(10 * 0.6) = 6
-    assert protected_count(10, 20, 100, 0.5) == 6
-    assert protected_count(10, 3, 100, 0.5) == 3  # never above the budget
-    assert protected_count(10, 100, 100, 0.5) == 10
+    assert protected_count(10, 20, 100, 0.5, max_share=1.0) == 6
+    assert protected_count(10, 3, 100, 0.5, max_share=1.0) == 3  # never above the budget
+    assert protected_count(10, 100, 100, 0.5, max_share=1.0) == 10
     # Half the budget at most by default: one entry is the score's, six give three.
     assert protected_count(10, 1, 64, 0.5, max_share=0.5) == 0
     assert protected_count(10, 6, 64, 0.5, max_share=0.5) == 3

@@ -48,7 +48,7 @@ def alignment_scores(ctx) -> Tensor:
     return out
 
 
-def protected_count(n_align: int, k: int, n: int, discount: float, max_share: float = 1.0) -> int:
+def protected_count(n_align: int, k: int, n: int, discount: float, max_share: float) -> int:
     """Alignment tokens forced into a span's selection: ``ceil(n_align * (1 - discount * rate))``
     with ``rate = 1 - k/n``, at most ``floor(max_share * k)``."""
     rate = 1.0 - k / n
