@@ -224,12 +224,12 @@ def _git(*args: str) -> str:
     return subprocess.check_output(["git", *args], text=True).strip()
 
 
-def cpu_kind() -> str:
+def cpu_kind(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """The CPU's model and its widest matrix path, from ``/proc/cpuinfo``: without AVX-512 BF16
     or AMX, torch's bf16 matrix multiplies run several times slower than fp32 (about 7x on an
     AVX2-only EPYC), so a bf16 server's speed depends on which CPU the run drew."""
     try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        lines = cpuinfo.read_text().splitlines()
     except OSError:
         return "unknown CPU"
     first = {}  # the first CPU's fields

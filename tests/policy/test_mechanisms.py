@@ -285,6 +285,22 @@ def test_knorm_keeps_lowest_norm_and_h2o_keeps_recent() -> None:
     assert {45, 46, 47, 48, 49} <= h2o
 
 
+def test_alignment_protection_takes_at_most_its_share_of_the_budget() -> None:
+    """Seed §5.3 with our cap: every span token an alignment token, keep 0.1 (K = 5 of 50)."""
+    from sglang_unicache.policy.catalog import from_config
+    from sglang_unicache.policy.ranks import ONE_RANK
+
+    inp = make_inputs()
+    forced = {}
+    for share in (0.5, 1.0):
+        m = build_method(UniCacheConfig(keep_ratio=0.1, selfcheck=False, alignment_max_share=share))
+        ctx = from_config(PlanContext, m.config, inputs=inp, shards=ONE_RANK)
+        draft = m._draft(ctx, inp.spans[0], 0.1, torch.ones(inp.num_tokens), identity=False)
+        assert int(draft.budgets.min()) == 5
+        forced[share] = int(draft.forced.sum())
+    assert forced == {0.5: 2, 1.0: 5}  # half the budget left to the score; without the cap, none
+
+
 def test_random_is_seeded() -> None:
     inp = make_inputs()
     assert _kept("random", inp, keep_ratio=0.1) == _kept("random", inp, keep_ratio=0.1)

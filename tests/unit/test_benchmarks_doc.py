@@ -99,3 +99,15 @@ def test_wrapped_prose_never_starts_a_line_with_a_markdown_block():
             assert first not in {"-", "+", "*", "1.", "="} and first[0] not in ">#|", line
         assert all(len(line) <= 100 for line in lines if not line.endswith((">=", "-", "+",
                                                                             "#", "1.", "|", "=")))
+
+
+def test_cpu_kind_says_whether_bf16_matmul_is_native(tmp_path) -> None:
+    from tools.benchmarks_doc import cpu_kind
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("model name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2 fma\n\n"
+                    "model name\t: other\nflags\t\t: avx512_bf16\n")
+    assert cpu_kind(info) == "AMD EPYC, AVX2, no native bf16 matmul"  # the first CPU's fields
+    info.write_text("model name\t: Xeon\nflags\t\t: avx2 avx512f avx512_bf16 amx_bf16\n")
+    assert cpu_kind(info) == "Xeon, native bf16 matmul"
+    assert cpu_kind(tmp_path / "missing") == "unknown CPU"
