@@ -44,22 +44,16 @@ class MergeReducer:
         rows = candidate.any(0).nonzero().flatten()
         if rows.numel() == 0:
             return assign, merge_weights(scores, assign, k)
-        xh = ctx.cached(f"merge unit kv {seg.start}", layer, lambda: unit_kv(ctx, layer, sl))
-        xk = xh[torch.arange(h, device=kept.device).unsqueeze(1), kept]  # [H, K, 2D]
+        x = ctx.unit_kv(layer)[sl]  # [N, H, 2D]
+        xk = x[kept.T, torch.arange(h, device=kept.device)]  # [K, H, 2D]
         # Only the candidate rows need their most similar kept entry (one bmm over those rows).
-        sim, near = torch.bmm(xh[:, rows], xk.transpose(1, 2)).max(dim=-1)  # [H, R]
+        xr = x.index_select(0, rows).transpose(0, 1)  # [H, R, 2D]
+        sim, near = torch.bmm(xr, xk.permute(1, 2, 0)).max(dim=-1)  # [H, R]
         best_sim = torch.full((h, n), -2.0, device=sim.device).index_copy_(1, rows, sim)
         best = torch.zeros(h, n, dtype=near.dtype, device=near.device).index_copy_(1, rows, near)
         merge = candidate & (best_sim >= self.evict_low)
         assign = torch.where(merge, best.to(torch.int32), assign)
         return assign, merge_weights(scores, assign, k)
-
-
-def unit_kv(ctx, layer: int, sl: slice) -> torch.Tensor:
-    """``[H, N, 2D]``: each span token's unit key and unit value side by side (the context's
-    ``unit_kv``, which the redundancy signal computed), so that the dot product of two rows is
-    the mean of their key and value cosines."""
-    return ctx.unit_kv(layer)[sl].transpose(0, 1)
 
 
 def merge_weights(scores: torch.Tensor, assign: torch.Tensor, k: int) -> torch.Tensor:
