@@ -168,8 +168,11 @@ class Compression:
         results, plans = [], []
         if not plan.fallback:
             for span_plan in self._compacted(plan.image_plans()):
-                compressed = self.method.execute(span_plan, keys, values)
-                span = span_plan.span
+                span = span_plan.span  # its own rows only, read a layer at a time
+                span_keys, span_values = prompt_kv(k_buffers, v_buffers,
+                                                   row[span.start:span.end])
+                compressed = self.method.execute(span_plan, span_keys, span_values,
+                                                 span_local=True)
                 results.append(SpanResult(span.start, span.end, compressed.keys,
                                           compressed.values))
                 plans.append(span_plan)

@@ -23,12 +23,14 @@ Tensor = torch.Tensor
 class LayerView(Sequence[Tensor]):
     """Per-layer ``[T, H, D]`` tensors made on access (``get(layer)``, e.g. gathered from a KV
     pool one layer at a time), so a long prompt's K/V is never held for every layer at once.
+    The layer read last is kept, so the steps that read one layer in turn gather it once.
     Every layer has ``shape``, ``dtype`` and ``device``."""
 
     def __init__(self, num_layers: int, shape: tuple[int, ...], get: Callable[[int], Tensor],
                  dtype: torch.dtype, device: torch.device):
         self._n, self.shape, self._get = num_layers, tuple(shape), get
         self.dtype, self.device = dtype, device
+        self._last: tuple[int, Tensor] | None = None
 
     def __len__(self) -> int:
         return self._n
@@ -40,7 +42,9 @@ class LayerView(Sequence[Tensor]):
             layer += self._n
         if not 0 <= layer < self._n:
             raise IndexError(layer)
-        return self._get(layer)
+        if self._last is None or self._last[0] != layer:
+            self._last = (layer, self._get(layer))
+        return self._last[1]
 
 
 def page_end(position, size: int):
