@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import weakref
 from array import array
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -128,20 +129,24 @@ def test_a_failure_after_the_first_write_leaves_nothing_changed():
 def test_the_prompt_kv_is_read_one_layer_at_a_time(monkeypatch):
     """Compression must not copy the whole prompt's K/V for every layer at once (2 GB for a
     32k-token prompt on a 7B model, outside the pool budget). The default method, self-check
-    on, over 8 layers: at no point are more than two layers' copies alive."""
+    on, over 8 layers: at no point are more than two layers' copies alive. Nor does it read a
+    layer more often than it must: the plan reads each layer's prompt K and V once per pass over
+    the layers (scores; the self-check's reference and its statistics read the checked and
+    content layers again), and the execution reads each layer of the span's own rows once."""
     controller, req, *_ = setup(torch.tensor([LENGTH]), layers=8,
                                 config=UniCacheConfig(keep_ratio=0.25, selfcheck_threshold=99.0,
                                                       selfcheck_content_threshold=1.0))
-    alive, peak, reads = weakref.WeakSet(), [0], [0]
+    alive, peak, reads = weakref.WeakSet(), [0], Counter()
     gather = compress_module.prompt_kv
 
     def tracked(k_buffers, v_buffers, row):
         views = gather(k_buffers, v_buffers, row)
-        for view in views:
-            def get(layer, read=view._get):
+        for name, view in zip("kv", views, strict=True):
+            def get(layer, read=view._get, name=name):
                 copy = read(layer)
-                alive.add(copy)
-                reads[0] += 1
+                if copy.shape[0] == LENGTH:
+                    alive.add(copy)
+                reads[name, layer, copy.shape[0]] += 1
                 peak[0] = max(peak[0], len(alive))
                 return copy
             view._get = get
@@ -150,7 +155,10 @@ def test_the_prompt_kv_is_read_one_layer_at_a_time(monkeypatch):
     monkeypatch.setattr(compress_module, "prompt_kv", tracked)
     controller.on_checkpoint(req)
     assert controller.stats.images_compressed == 1 and controller.stats.errors == 0
-    assert reads[0] >= 16, "every layer's K and V was read"
+    prompt = {(name, layer): n for (name, layer, rows), n in reads.items() if rows == LENGTH}
+    span = {(name, layer): n for (name, layer, rows), n in reads.items() if rows == N}
+    assert sorted(prompt) == sorted(span) == [(name, layer) for name in "kv" for layer in range(8)]
+    assert max(prompt.values()) <= 3 and set(span.values()) == {1}, reads
     assert peak[0] <= 4, f"{peak[0]} prompt-length K/V copies alive at once"
 
 
