@@ -160,6 +160,7 @@ def test_the_prompt_kv_is_read_one_layer_at_a_time(monkeypatch):
     assert sorted(prompt) == sorted(span) == [(name, layer) for name in "kv" for layer in range(8)]
     assert max(prompt.values()) <= 3 and set(span.values()) == {1}, reads
     assert peak[0] <= 4, f"{peak[0]} prompt-length K/V copies alive at once"
+    assert len(alive) == 0, "a prompt-length copy outlived the compression"
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16])

@@ -226,7 +226,7 @@ def merge_gather(x: Tensor, kept: Tensor, assign: Tensor, weight: Tensor) -> Ten
     shared = (valid & (count[torch.where(valid, entry, 0)] > 1)).flatten().nonzero().flatten()
     flat = (torch.cumsum(is_multi, 0) - 1)[entry.flatten()[shared]]  # among the merged entries
     w = weight.float().flatten()[shared].unsqueeze(1)  # [M, 1]
-    rows = (shared % n) * h + shared // n  # (head, token) -> row of x viewed [N * H, R, D]
+    rows = (shared % n) * h + shared // n  # (head, token) -> row of x as [N * H, R * D]
     src = x.reshape(n * h, r * d).index_select(0, rows).float()  # [M, R * D]: 2-D is fastest
     m = multi.numel()
     summed = torch.zeros(m, r * d, device=x.device).index_add_(0, flat, src * w)
