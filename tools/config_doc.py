@@ -24,8 +24,11 @@ NOTES = {
         "coverage 0.629). The threshold that separates harmed from unharmed images best "
         "(Youden's J) is 0.906 without the random baseline and 1.145 with it; 0.9 is within "
         "0.01 of the best J in both. The seed's 0.1 failed every image. A failed check "
-        "doubles the keep ratio up to `escalate_max_keep` before the request keeps its full "
-        "KV; the server warns once when most recent images fall back."),
+        "multiplies the keep ratio by `escalate_factor` (sqrt 2) up to `escalate_max_keep` "
+        "before the request keeps its full KV; with host copies the check guards the "
+        "request's own answer, and on the bundled model (n = 300 multi-token answers) its "
+        "first rung, 9 entries of 64 (0.141x), answers 99.3% against 91.3% at 6 entries. "
+        "The server warns once when most recent images fall back."),
 }
 
 

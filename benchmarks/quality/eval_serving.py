@@ -109,6 +109,11 @@ def long_items(images: int, seed: int, grid: int, task: str = "vqa") -> list:
     return make_split("test", images, 1, seed=seed + 1, grid=grid, qtypes=qtypes, task=task)
 
 
+def last_check(server) -> dict:
+    """The server's most recent self-check record (``recent_checks``), or {}."""
+    return (internal_state(server).get("unicache", {}).get("recent_checks") or [{}])[-1]
+
+
 def run_reuse_warm_all(server, groups: dict[str, list]) -> tuple[dict, int, list[dict]]:
     """``--reuse-order warm-all``: question 1 of every image first, then the later questions of
     each image, so with a small pool and HiCache most of them reuse a span loaded back from host
@@ -148,14 +153,18 @@ def run_reuse(server, images: int, questions: int, seed: int,
         check = (state.get("recent_checks") or [{}])[-1]
         check = check if check.get("rid") not in (None, last.get("rid")) else None
         before = state.get("spans_reused", 0) + state.get("spans_recalled", 0)
-        correct = []
+        correct, later_checks = [], []
         for item in group[1:]:
+            seen = last_check(server).get("rid")
             got = ask(server, item, MAX_TOKENS)
             correct.append(int(got == item.answer))
             rows.append({"qtype": item.qtype, "correct": got == item.answer})
+            later = last_check(server)  # a recalled question's own view, if it made one
+            later_checks.append(later if later.get("rid") not in (None, seen) else None)
         after = internal_state(server).get("unicache", {})
         reused += after.get("spans_reused", 0) + after.get("spans_recalled", 0) - before
         per_image.append({"image": group[0].image_id, "check": check, "correct": correct,
+                          "later_checks": later_checks,
                           "slots": state.get("compressed_slots_held", 0),
                           "slots_at_rest": after.get("compressed_slots_held", 0),
                           "recalled": after.get("spans_recalled", 0)
@@ -178,12 +187,17 @@ def held_summary(per_image: list[dict], image_tokens: int) -> dict:
 
 
 def run_long(server, images: int, seed: int, grid: int, task: str = "vqa") -> dict:
+    """The long score; with ``checks``, per item (in item order) the request's own self-check
+    record (None when it made none): what ``benchmarks.quality.own_view_study`` reads."""
     items = long_items(images, seed, grid, task)
-    rows = []
+    rows, checks = [], []
     for item in items:
         flush_cache(server)
+        before = last_check(server).get("rid")
         rows.append({"qtype": item.qtype, "correct": ask(server, item, MAX_TOKENS) == item.answer})
-    return score(rows)
+        check = last_check(server)
+        checks.append(check if check.get("rid") not in (None, before) else None)
+    return {**score(rows), "checks": checks}
 
 
 def run_transformers(args, settings: list[str], method: str = "full", ratio: float = 1.0,
@@ -326,7 +340,7 @@ def main() -> None:
                 server.stop()
             entry["seconds"] = round(time.perf_counter() - start, 1)
             results.append(entry)
-            print(json.dumps({k: ({s: v for s, v in val.items() if s != "correct"}
+            print(json.dumps({k: ({s: v for s, v in val.items() if s not in ("correct", "checks")}
                                   if k in ("reuse", "long") else val)
                               for k, val in entry.items() if k not in ("stats", "images")}),
                   flush=True)

@@ -1,7 +1,7 @@
 """Compressing a request's own images right after its prefill, before its KV enters the tree.
 
 Gather the prompt's K/V from the pool (one layer at a time), plan with the configured method and
-self-check the plan (``policy/compressor.py``: a failure doubles the budget up to
+self-check the plan (``policy/compressor.py``: a failure raises the budget up to
 ``escalate_max_keep``, past that the request keeps its full KV), write the compressed entries,
 compact the row, rewrite the request so every length agrees (its token ids: each span becomes K
 ids derived from the image, its position, the config and, for query-dependent methods, the

@@ -21,7 +21,7 @@ COUNTERS = {
     "host_copies_stored": "Full image spans copied to host memory when compressed",
     "host_copies_evicted": "Host copies dropped for the host byte budget (least recently used)",
     "fallbacks": "Requests whose self-check failed at the escalation cap; full KV kept",
-    "escalations": "Budget doublings after a failed self-check",
+    "escalations": "Keep-ratio rungs climbed after a failed self-check",
     "errors": "Compressions that raised an error (on any tensor-parallel rank); full KV kept",
     "capture_missed": "Prefills whose attention ran past the query hook; full KV kept",
     "rank_disagreements": "Compressions the tensor-parallel ranks did not do alike",

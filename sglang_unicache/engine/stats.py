@@ -12,7 +12,7 @@ class Stats:
     requests_compressed: int = 0
     slots_freed: int = 0
     fallbacks: int = 0  # requests whose self-check failed even at escalate_max_keep: full KV kept
-    escalations: int = 0  # budget doublings after a failed self-check
+    escalations: int = 0  # keep-ratio rungs climbed after a failed self-check
     errors: int = 0  # compressions that raised (on any tensor-parallel rank): full KV kept
     capture_missed: int = 0  # prefills whose attention ran past the query hook: full KV kept
     rank_disagreements: int = 0  # --tp-size: compressions the ranks did not do alike

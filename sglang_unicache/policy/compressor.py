@@ -16,11 +16,11 @@ Order of operations (UniCache seed §3.2, §5.3, §6.3, §7):
 3. modality budgets (``compress_text`` only), then per-layer budgets per span;
 4. per layer and span: protected > recent > anchors > score, top-K per head, sorted ascending;
 5. reduction (evict / merge); quantization happens in ``execute`` (after token compression);
-6. the self-check on the last layers (§7.1); a failure doubles the keep ratio up to
-   ``escalate_max_keep`` and plans again, and sets the fallback flag only past that cap. Only
-   the layers the check reads are planned until a level passes (or is the cap); the others are
-   planned once, at that level (``SelfCheck.layers_read``): the same plan, without planning
-   every layer of each failed level.
+6. the self-check on the last layers (§7.1); a failure raises the keep ratio by
+   ``escalate_factor`` up to ``escalate_max_keep`` and plans again, and sets the fallback flag
+   only past that cap. Only the layers the check reads are planned until a level passes (or
+   is the cap); the others are planned once, at that level (``SelfCheck.layers_read``): the
+   same plan, without planning every layer of each failed level.
 
 Hot paths are vectorised over heads and tokens; Python loops are over layers and spans only. The
 only host syncs per plan are budget bookkeeping (small CPU tensors) and the final self-check value.
@@ -155,8 +155,9 @@ class Method:
         read = None if self.selfcheck is None else self.selfcheck.layers_read(ctx.num_layers)
         drafts, check = self._plan_spans(ctx, scores, keep, use_align, identity, read)
         while check is not None and not check.passed and self.keep.can_escalate(keep):
-            # A failed check doubles the budget up to the cap before the caller falls back to the
-            # full KV (seed §7.1 fallback made graded; the scores are reused, only K changes).
+            # A failed check raises the budget (x escalate_factor) up to the cap before the
+            # caller falls back to the full KV (seed §7.1 fallback made graded; the scores are
+            # reused, only K changes).
             keep, skipped = self._skip_hopeless(ctx, self.keep.escalated(keep), identity)
             escalations += 1 + skipped
             drafts, check = self._plan_spans(ctx, scores, keep, use_align, identity, read)
@@ -165,7 +166,7 @@ class Method:
 
     def _skip_hopeless(self, ctx: PlanContext, keep: float, identity: bool) -> tuple[float, int]:
         """(the first keep ratio from ``keep`` up the escalation ladder whose plan *can* pass the
-        self-check's ``content_lost`` half, how many doublings that skipped). A level is
+        self-check's ``content_lost`` half, how many rungs that skipped). A level is
         hopeless when even the best kept set of its size, each head's top-K tokens by content
         (``SelfCheck.content_hopeless``), loses more than the threshold; its plan would be built
         and checked only to fail. The cap is always planned (its check is the one reported).

@@ -187,9 +187,14 @@ class UniCacheConfig:
     # are wrong; every threshold from 0.025 to 0.25 gives UniCache the same verdicts (ours).
     selfcheck_content_threshold: float = doc(
         0.15, "content_lost above it fails the check too; 1 turns it off (docs/selfcheck.md)")
-    # A failed check doubles the keep ratio up to this cap (re-planned from the same scores)
-    # before the request falls back to its full KV; <= keep_ratio means no escalation (ours).
-    escalate_max_keep: float = doc(0.4, "a failed check doubles keep up to this, then full KV")
+    # A failed check multiplies the keep ratio by escalate_factor up to this cap (re-planned
+    # from the same scores) before the request falls back to its full KV; <= keep_ratio means
+    # no escalation (ours). sqrt(2), two rungs per doubling: from keep 0.1 the first rung (0.141)
+    # stays within 0.15x of the image, and with host copies the KL half guards the request's own
+    # decode, which 9 entries of 64 already serve (docs/selfcheck.md, "The escalation ladder").
+    escalate_max_keep: float = doc(0.4, "a failed check raises keep up to this, then full KV")
+    escalate_factor: float = doc(2**0.5, "a failed check multiplies keep by this (sqrt 2: "
+                                 "0.1 -> 0.141 -> 0.2 -> 0.283 -> 0.4)")
     dynamic_rate: bool = doc(False, "derive the keep ratio from input complexity (§7.2)")
     complexity_lambda: float = 2.0
     dynamic_rate_min: float = 0.4
@@ -288,6 +293,12 @@ class UniCacheConfig:
                 f"{self.selfcheck_threshold!r}"
             )
         _unit("escalate_max_keep", self.escalate_max_keep, low_open=True)
+        if not (isinstance(self.escalate_factor, (int, float))
+                and math.isfinite(self.escalate_factor) and self.escalate_factor > 1):
+            raise ValueError(
+                "unicache config: escalate_factor must be > 1, got "
+                f"{self.escalate_factor!r}"
+            )
         _unit("selfcheck_content_threshold", self.selfcheck_content_threshold)
         _int_range("redundancy_window", self.redundancy_window, 1, 64)
         _int_range("selfcheck_layers", self.selfcheck_layers, 1, 1 << 10)

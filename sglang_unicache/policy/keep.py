@@ -2,9 +2,10 @@
 
 1. **Start**: ``keep_ratio``, or with ``dynamic_rate`` the ratio the request's complexity gives
    (UniCache seed §7.2, ``checks/dynamic_rate.py``).
-2. **Escalation**: a failed self-check doubles it, up to ``escalate_max_keep`` (the cap; a start
-   above it is not escalated). A level whose plan cannot pass the check's content half is
-   skipped without being planned (``climb``); past the cap the request keeps its full KV.
+2. **Escalation**: a failed self-check multiplies it by ``escalate_factor`` (sqrt 2), up to
+   ``escalate_max_keep`` (the cap; a start above it is not escalated). A level whose plan
+   cannot pass the check's content half is skipped without being planned (``climb``); past
+   the cap the request keeps its full KV.
 3. **Re-compression** under memory pressure: a cached span of K entries keeps
    ``ceil(K * recompress_factor)``, never below ``ceil(N * recompress_floor)`` or 1
    (``shrunk``; which entries go is ``shrink.shrink_order``'s).
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 class KeepRatio:
     keep_ratio: float = 0.1
     escalate_max_keep: float = 0.4
+    escalate_factor: float = 2**0.5
     recompress_factor: float = 0.5
     recompress_floor: float = 0.02
 
@@ -40,8 +42,11 @@ class KeepRatio:
         return keep < self.escalate_max_keep
 
     def escalated(self, keep: float) -> float:
-        """The next level after a failed check at ``keep``: doubled, capped."""
-        return min(2.0 * keep, self.escalate_max_keep)
+        """The next level after a failed check at ``keep``: times ``escalate_factor``, capped
+        (a level within rounding of the cap is the cap: 0.1 x sqrt(2)^4 is 0.4, not a rung below
+        it)."""
+        level = keep * self.escalate_factor
+        return self.escalate_max_keep if level >= self.escalate_max_keep * (1 - 1e-9) else level
 
     def climb(self, keep: float, hopeless: Callable[[float], bool]) -> tuple[float, int]:
         """(the first level from ``keep`` up whose plan can pass, the levels skipped): a

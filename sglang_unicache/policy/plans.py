@@ -156,7 +156,7 @@ class RequestPlan(Serial):
 
     keep_ratio: the ratio actually used (differs from the config with dynamic_rate, §7.2).
     complexity: the §7.2 complexity score of the original input (None when not computed).
-    escalations: how many times a failed self-check doubled the keep ratio (``keep_ratio`` is
+    escalations: how many times a failed self-check raised the keep ratio (``keep_ratio`` is
         the one the spans were planned at).
     alignment: ``[T]`` bool alignment tokens found (seed §5.3), text and image; None if not
         computed.

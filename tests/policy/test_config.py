@@ -20,6 +20,7 @@ def test_defaults_are_seed_8_1() -> None:
     assert (c.merge_threshold, c.evict_low, c.evict_high) == (0.8, 0.5, 0.8)
     # the self-check's statistic is the seed's; its threshold is calibrated (docs/selfcheck.md)
     assert (c.selfcheck_statistic, c.selfcheck_threshold, c.escalate_max_keep) == ("kl", 0.9, 0.4)
+    assert c.escalate_factor == 2**0.5  # two rungs per doubling (docs/selfcheck.md)
     assert c.complexity_lambda == 2.0 and (c.dynamic_rate_min, c.dynamic_rate_max) == (0.4, 0.75)
     assert c.aircache_alpha == 0.9 and c.method == "unicache" and c.keep_ratio == 0.1
 
@@ -36,6 +37,8 @@ def test_defaults_are_seed_8_1() -> None:
         ("selfcheck_threshold", 0.0),
         ("selfcheck_statistic", "entropy"),
         ("escalate_max_keep", 0.0),
+        ("escalate_factor", 1.0),
+        ("escalate_factor", float("inf")),
         ("min_image_tokens", 0),
         ("layer_fill", "zeros"),
         ("pool_kernel", 4),

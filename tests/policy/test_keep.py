@@ -6,13 +6,25 @@ from __future__ import annotations
 from sglang_unicache.policy.keep import KeepRatio
 
 
-def test_a_failed_check_doubles_the_ratio_up_to_the_cap():
-    keep, levels = KeepRatio(keep_ratio=0.1, escalate_max_keep=0.4), []
-    level = keep.start()
+def ladder(keep: KeepRatio) -> list[float]:
+    level, levels = keep.start(), []
     while keep.can_escalate(level):
         level = keep.escalated(level)
         levels.append(level)
-    assert levels == [0.2, 0.4]
+    return levels
+
+
+def test_a_failed_check_climbs_by_sqrt_2_and_the_first_rung_stays_within_015x():
+    levels = ladder(KeepRatio(keep_ratio=0.1, escalate_max_keep=0.4))
+    assert [round(x, 4) for x in levels] == [0.1414, 0.2, 0.2828, 0.4]
+    assert levels[-1] == 0.4  # the fourth rung is the cap itself, not a rung a hair below it
+    for tokens in (64, 256, 1024):
+        assert round(levels[0] * tokens) <= 0.15 * tokens
+
+
+def test_escalate_factor_2_doubles_up_to_the_cap():
+    assert ladder(KeepRatio(keep_ratio=0.1, escalate_max_keep=0.4, escalate_factor=2.0)) == [
+        0.2, 0.4]
 
 
 def test_the_dynamic_rate_replaces_the_start_and_a_start_above_the_cap_never_escalates():
@@ -23,6 +35,7 @@ def test_the_dynamic_rate_replaces_the_start_and_a_start_above_the_cap_never_esc
 
 def test_hopeless_levels_are_skipped_but_the_cap_is_always_planned():
     keep = KeepRatio(keep_ratio=0.05, escalate_max_keep=0.4)
-    assert keep.climb(0.05, lambda level: level < 0.2) == (0.2, 2)
-    assert keep.climb(0.05, lambda level: True) == (0.4, 3)
+    level, skipped = keep.climb(0.05, lambda level: level < 0.19)
+    assert (round(level, 9), skipped) == (0.2, 4)
+    assert keep.climb(0.05, lambda level: True) == (0.4, 6)
     assert keep.climb(0.05, lambda level: False) == (0.05, 0)

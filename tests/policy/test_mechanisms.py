@@ -145,7 +145,7 @@ def test_failed_selfcheck_escalates_the_budget_before_falling_back() -> None:
     q = torch.stack([inp.keys[li][[7, 7, 7, 63, 63, 63]] * 6.0 for li in range(3)])
     inp = ScoreInputs(inp.keys, inp.values, inp.spans, obs_queries=q)
     cfg = UniCacheConfig(keep_ratio=0.05, selfcheck_statistic="kl", escalate_max_keep=0.4,
-                         selfcheck_content_threshold=1.0)  # the query half alone
+                         escalate_factor=2.0, selfcheck_content_threshold=1.0)  # the query half
     # the worst method keeps the least-attended tokens: the KL falls as the budget grows
     kl = {keep: _bad_scorer_method(cfg.replace(keep_ratio=keep, escalate_max_keep=keep))
           .plan(inp).selfcheck.kl for keep in (0.05, 0.1, 0.2, 0.4)}
@@ -159,6 +159,13 @@ def test_failed_selfcheck_escalates_the_budget_before_falling_back() -> None:
     once = _bad_scorer_method(cfg.replace(selfcheck_threshold=threshold)).plan(inp)
     assert once.escalations == 1 and once.keep_ratio == pytest.approx(0.1)
     assert not once.fallback and once.spans[0].physical_slots == 5
+    # the default factor, sqrt 2: the rung between 0.05 and 0.1 (4 entries) already passes
+    rungs = _bad_scorer_method(cfg.replace(selfcheck_threshold=threshold,
+                                           escalate_factor=2**0.5)).plan(inp)
+    assert rungs.escalations == 1 and rungs.keep_ratio == pytest.approx(0.05 * 2**0.5)
+    assert rungs.selfcheck.passed and rungs.spans[0].physical_slots == 4
+    climbed = _bad_scorer_method(cfg.replace(escalate_factor=2**0.5)).plan(inp)
+    assert climbed.fallback and climbed.escalations == 6 and climbed.keep_ratio == 0.4
 
 
 def test_an_escalation_reuses_what_does_not_depend_on_the_plan(monkeypatch) -> None:
@@ -186,7 +193,7 @@ def test_an_escalation_reuses_what_does_not_depend_on_the_plan(monkeypatch) -> N
     monkeypatch.setattr(signals, "unit_kv_norms", counted("unit", unit,
                                                           lambda a: layer_of_keys[id(a[0])]))
     cfg = UniCacheConfig(keep_ratio=0.05, selfcheck_threshold=1e-6, escalate_max_keep=0.4,
-                         selfcheck_layers=2)
+                         escalate_factor=2.0, selfcheck_layers=2)
     plan = build_method(cfg).plan(inp)
     assert plan.escalations == 3 and plan.fallback
     assert any(lp.merges and (lp.assign >= 0).sum() > lp.kept.numel()
@@ -390,7 +397,7 @@ def test_content_check_guards_what_later_questions_need() -> None:
     loses most of it whatever the question attends to: the check escalates to the cap and keeps
     the full KV, though the query half (the KL of the question that compressed it) passes."""
     cfg = UniCacheConfig(method="knorm", keep_ratio=0.1, selfcheck_threshold=1e9,
-                         escalate_max_keep=0.4)
+                         escalate_max_keep=0.4, escalate_factor=2.0)
     sparse = build_method(cfg).plan(_content_inputs(objects=4))
     assert sparse.selfcheck.passed and not sparse.fallback and sparse.escalations == 0
     assert sparse.selfcheck.stats["content_lost"] < cfg.selfcheck_content_threshold

@@ -41,7 +41,8 @@ SPAN1_LAYER3_AT_04 = [
 PINNED = {
     "shipped": (UniCacheConfig(**SHIPPED), 0.1, 0, True, 0.8152366, SPAN0_LAYER0_AT_01,
                 SPAN1_LAYER3_AT_01, [0, 0, 4, 0], "b7bc063b51371c61"),
-    "escalating": (UniCacheConfig(**SHIPPED, selfcheck_threshold=0.6), 0.4, 2, True, 0.4035443,
+    "escalating": (UniCacheConfig(**SHIPPED, selfcheck_threshold=0.6, escalate_factor=2.0),
+                   0.4, 2, True, 0.4035443,
                    SPAN0_LAYER0_AT_04, SPAN1_LAYER3_AT_04, [0, 0, 2, 0], "7ffa4dea340afa4c"),
     "check off": (UniCacheConfig(layer_fill="next", selfcheck=False), 0.1, 0, None, None,
                   SPAN0_LAYER0_AT_01, SPAN1_LAYER3_AT_01, [0, 0, 4, 0], "b7bc063b51371c61"),

@@ -150,7 +150,7 @@ def key_coverage(unit: Tensor, kept: Tensor, seen: dict) -> Tensor:
     """``[H]`` ``key_coverage`` of one span: ``1 - max cos(k, kept k)`` averaged over its tokens,
     from unit keys ``[H, N, D]`` and the kept tokens ``[H, K]``. A kept token covers itself
     (its term is 0), so only the others are compared with the kept keys. ``seen`` carries the
-    span's previous level (an escalation doubles K): when this level keeps every token that
+    span's previous level (an escalation raises K): when this level keeps every token that
     one kept, only the keys new to this level are compared, and the maxima over the others are
     reused."""
     h, n, _ = unit.shape
