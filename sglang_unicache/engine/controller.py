@@ -79,6 +79,11 @@ class Controller:
             # not yet asked, no longer guards anything (docs/selfcheck.md).
             self.config = cfg = cfg.replace(selfcheck_content_threshold=1.0)
             self.method = build_method(cfg)
+        if copies is None and cfg.view_keep_ratio > 0:
+            # Without a host copy a span rests at the count it was planned at: the view is the
+            # span later questions share, so it is planned at keep_ratio.
+            self.config = cfg = cfg.replace(view_keep_ratio=0.0)
+            self.method = build_method(cfg)
         if self.active and cfg.selfcheck:
             logger.info("sglang-unicache: %s at keep %.3g; self-check %s <= %.3g and content_lost"
                         " <= %.3g, escalating up to keep %.3g before keeping full KV",

@@ -68,3 +68,27 @@ def test_an_escalated_span_rests_at_the_keep_ratio_and_keeps_its_chat(server_fac
         assert state["integrity"] == []
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("copies,view_entries,shrunk", [("int8", 9, 1), ("off", 6, 0)])
+def test_a_view_planned_above_the_keep_ratio_rests_at_it(copies, view_entries, shrunk,
+                                                         server_factory, tmp_path):
+    """``view_keep_ratio``: with host copies a request decodes on a view of 9 entries (keep
+    0.1414) and its span goes back to keep 0.1's 6 once it is done; without them the view is the
+    span later questions share, so it is planned at the keep ratio."""
+    server_factory.make_room(1)
+    config = tmp_path / "view.json"
+    config.write_text('{"view_keep_ratio": 0.1414, "selfcheck_threshold": 1e9}')  # no escalation
+    server = start_server(CHECKPOINTS / "tiny-vqa-qwen2-vl",
+                          ["--unicache", "--unicache-config", str(config),
+                           "--unicache-host-copies", copies], tmp_path / "view.log")
+    try:
+        chat(server, image_chat(readme_square(), "what colour is the square?", max_tokens=8))
+        state = internal_state(server)["unicache"]
+        check = state["recent_checks"][-1]
+        assert check["escalations"] == 0 and round(check["keep_ratio"] * 64) == view_entries
+        assert state["spans_shrunk_at_rest"] == shrunk
+        assert state["compressed_slots_held"] == 6
+        assert state["integrity"] == []
+    finally:
+        server.stop()

@@ -39,3 +39,11 @@ def test_hopeless_levels_are_skipped_but_the_cap_is_always_planned():
     assert (round(level, 9), skipped) == (0.2, 4)
     assert keep.climb(0.05, lambda level: True) == (0.4, 6)
     assert keep.climb(0.05, lambda level: False) == (0.05, 0)
+
+
+def test_a_view_ratio_above_the_keep_ratio_starts_the_plan_there():
+    keep = KeepRatio(keep_ratio=0.1, view_keep_ratio=0.1414)
+    assert keep.start() == 0.1414 and keep.start(dynamic=0.3) == 0.3
+    assert keep.at_rest(9, 64) == 6  # the span goes back to the keep ratio's count at rest
+    assert KeepRatio(keep_ratio=0.1, view_keep_ratio=0.05).start() == 0.1
+    assert KeepRatio(keep_ratio=0.1).start() == 0.1

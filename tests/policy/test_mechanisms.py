@@ -168,6 +168,18 @@ def test_failed_selfcheck_escalates_the_budget_before_falling_back() -> None:
     assert climbed.fallback and climbed.escalations == 6 and climbed.keep_ratio == 0.4
 
 
+def test_a_view_ratio_plans_the_request_above_the_keep_ratio() -> None:
+    inp = make_inputs()
+    base = build_method(UniCacheConfig(keep_ratio=0.1, selfcheck=False)).plan(inp)
+    view = build_method(UniCacheConfig(keep_ratio=0.1, view_keep_ratio=0.1414,
+                                       selfcheck=False)).plan(inp)
+    assert base.keep_ratio == 0.1 and view.keep_ratio == 0.1414
+    assert [p.physical_slots for p in base.spans] == [round(0.1 * p.span.length)
+                                                      for p in base.spans]
+    assert [p.physical_slots for p in view.spans] == [round(0.1414 * p.span.length)
+                                                      for p in view.spans]
+
+
 def test_an_escalation_reuses_what_does_not_depend_on_the_plan(monkeypatch) -> None:
     """Each re-plan at a doubled K recomputes only what K changes. The self-check's
     attention over the whole request (once per checked layer) and the merge's unit K/V
