@@ -94,6 +94,10 @@ def main() -> None:
     parser.add_argument("--thresholds", default="0.5,0.7,0.9,1.1,1.3,1.5,2.0")
     parser.add_argument("--ladders", default="0.1;0.1,0.2,0.4;0.1,0.14;0.1,0.14,0.4;"
                                              "0.1,0.14,0.2,0.4")
+    parser.add_argument("--shipped-ladder", default="0.1,0.14,0.2,0.28,0.4",
+                        help="the ladder --shipped ran (default: sqrt 2 from keep 0.1, as entry "
+                             "counts of 64-token images; 0.1,0.2,0.4 for escalate_factor 2); "
+                             "rungs not in --record are skipped")
     args = parser.parse_args()
     full = next(e for e in load(args.full) if e["method"] == "full")["long"]["correct"]
     lv = levels(load(args.record))
@@ -141,14 +145,17 @@ def main() -> None:
 
     if args.shipped:
         shipped = next(e for e in load(args.shipped) if "long" in e)
+        ladder = tuple(k for k in (float(x) for x in args.shipped_ladder.split(",")) if k in lv)
         rows = replay(lv, full, args.statistic, shipped.get("config", {}).get(
-            "selfcheck_threshold", 0.9), (0.1, 0.2, 0.4))
+            "selfcheck_threshold", 0.9), ladder)
         same = sum(c == s for (_, c), s in zip(rows, shipped["long"]["correct"], strict=True))
         settled = [1.0 if not c or not c["passed"] else c["keep_ratio"]
                    for c in shipped["long"]["checks"]]
-        same_keep = sum(k == s for (k, _), s in zip(rows, settled, strict=True))
-        print(f"\nReplay of the shipped policy against --shipped: the same answer on {same} of "
-              f"{n}, the same settled keep ratio on {same_keep} of {n}; shipped accuracy "
+        same_keep = sum(entries(k, args.tokens) == entries(s, args.tokens)  # 0.14 ~ 0.1414
+                        for (k, _), s in zip(rows, settled, strict=True))
+        print(f"\nReplay of the shipped policy ({' -> '.join(map(str, ladder))}) against "
+              f"--shipped: the same answer on {same} of "
+              f"{n}, the same settled entries on {same_keep} of {n}; shipped accuracy "
               f"{sum(shipped['long']['correct']) / n:.1%}, replayed "
               f"{summary(rows, args.tokens)['accuracy']:.1%}")
 
