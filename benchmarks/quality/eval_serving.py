@@ -109,9 +109,22 @@ def long_items(images: int, seed: int, grid: int, task: str = "vqa") -> list:
     return make_split("test", images, 1, seed=seed + 1, grid=grid, qtypes=qtypes, task=task)
 
 
-def last_check(server) -> dict:
-    """The server's most recent self-check record (``recent_checks``), or {}."""
-    return (internal_state(server).get("unicache", {}).get("recent_checks") or [{}])[-1]
+def last_check(state: dict) -> dict:
+    """The most recent self-check record in a server's ``unicache`` state (``recent_checks``),
+    or {}."""
+    return (state.get("recent_checks") or [{}])[-1]
+
+
+def last_rid(server) -> str | None:
+    """The request id of the server's most recent self-check record."""
+    return last_check(internal_state(server).get("unicache", {})).get("rid")
+
+
+def check_since(state: dict, rid: str | None) -> dict | None:
+    """The most recent self-check record of ``state`` if a request made it after the one with
+    id ``rid`` (the request just sent); None when it made none."""
+    check = last_check(state)
+    return check if check.get("rid") not in (None, rid) else None
 
 
 def run_reuse_warm_all(server, groups: dict[str, list]) -> tuple[dict, int, list[dict]]:
@@ -147,20 +160,19 @@ def run_reuse(server, images: int, questions: int, seed: int,
         return run_reuse_warm_all(server, groups)
     for group in groups.values():
         flush_cache(server)
-        last = (internal_state(server).get("unicache", {}).get("recent_checks") or [{}])[-1]
+        last = last_rid(server)
         ask(server, group[0], MAX_TOKENS)  # warms the cache: compresses the image
         state = internal_state(server).get("unicache", {})
-        check = (state.get("recent_checks") or [{}])[-1]
-        check = check if check.get("rid") not in (None, last.get("rid")) else None
+        check = check_since(state, last)
         before = state.get("spans_reused", 0) + state.get("spans_recalled", 0)
         correct, later_checks = [], []
         for item in group[1:]:
-            seen = last_check(server).get("rid")
+            seen = last_rid(server)
             got = ask(server, item, MAX_TOKENS)
             correct.append(int(got == item.answer))
             rows.append({"qtype": item.qtype, "correct": got == item.answer})
-            later = last_check(server)  # a recalled question's own view, if it made one
-            later_checks.append(later if later.get("rid") not in (None, seen) else None)
+            # a recalled question's own view, if it made one
+            later_checks.append(check_since(internal_state(server).get("unicache", {}), seen))
         after = internal_state(server).get("unicache", {})
         reused += after.get("spans_reused", 0) + after.get("spans_recalled", 0) - before
         per_image.append({"image": group[0].image_id, "check": check, "correct": correct,
@@ -193,10 +205,9 @@ def run_long(server, images: int, seed: int, grid: int, task: str = "vqa") -> di
     rows, checks = [], []
     for item in items:
         flush_cache(server)
-        before = last_check(server).get("rid")
+        before = last_rid(server)
         rows.append({"qtype": item.qtype, "correct": ask(server, item, MAX_TOKENS) == item.answer})
-        check = last_check(server)
-        checks.append(check if check.get("rid") not in (None, before) else None)
+        checks.append(check_since(internal_state(server).get("unicache", {}), before))
     return {**score(rows), "checks": checks}
 
 

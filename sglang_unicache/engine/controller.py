@@ -74,15 +74,14 @@ class Controller:
         self.method = build_method(cfg)
         self.active = cfg.method != "full" and cfg.keep_ratio < 1.0
         copies = self._host_copies()
-        if copies is not None and cfg.selfcheck_content_threshold < 1.0:
-            # A later question recalls the full image: content_lost, a guess about questions
-            # not yet asked, no longer guards anything (docs/selfcheck.md).
-            self.config = cfg = cfg.replace(selfcheck_content_threshold=1.0)
-            self.method = build_method(cfg)
-        if copies is None and cfg.view_keep_ratio > 0:
-            # Without a host copy a span rests at the count it was planned at: the view is the
-            # span later questions share, so it is planned at keep_ratio.
-            self.config = cfg = cfg.replace(view_keep_ratio=0.0)
+        # With host copies a later question recalls the full image: content_lost, a guess about
+        # questions not yet asked, no longer guards anything (docs/selfcheck.md). Without them a
+        # span rests at the count it was planned at: the view is the span later questions
+        # share, so it is planned at keep_ratio.
+        wanted = ({"selfcheck_content_threshold": 1.0} if copies is not None
+                  else {"view_keep_ratio": 0.0})
+        if any(getattr(cfg, key) != value for key, value in wanted.items()):
+            self.config = cfg = cfg.replace(**wanted)
             self.method = build_method(cfg)
         if self.active and cfg.selfcheck:
             logger.info("sglang-unicache: %s at keep %.3g; self-check %s <= %.3g and content_lost"
