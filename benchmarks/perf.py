@@ -279,7 +279,8 @@ def overhead(model: Path, config: Path, methods: list[str], ratio: float, log_di
                     before = internal_state(server)["unicache"]
             after = internal_state(server)["unicache"]
             stats = {key: after[key] - before[key]
-                     for key in ("prefill_seconds", "compress_seconds")}
+                     for key in ("prefill_seconds", "compress_seconds", "images_compressed",
+                                 "escalations", "fallbacks")}
         finally:
             server.stop()
         rows.append({"method": method, "keep_ratio": ratio, "images": images,
@@ -287,7 +288,9 @@ def overhead(model: Path, config: Path, methods: list[str], ratio: float, log_di
                      "prefill_ms": round(1000 * stats["prefill_seconds"] / requests, 1),
                      "compress_ms": round(1000 * stats["compress_seconds"] / requests, 1),
                      "overhead_share": round(stats["compress_seconds"]
-                                             / max(stats["prefill_seconds"], 1e-9), 3)})
+                                             / max(stats["prefill_seconds"], 1e-9), 3),
+                     **{key: stats[key] for key in ("images_compressed", "escalations",
+                                                    "fallbacks")}})
     return rows
 
 

@@ -41,7 +41,7 @@ from sglang_unicache.engine.scale.tensor_parallel import TensorParallel
 from sglang_unicache.engine.spans import SpanIndex, SpanNaming
 from sglang_unicache.engine.stats import Stats
 from sglang_unicache.engine.targets import Targets
-from sglang_unicache.policy.config import UniCacheConfig
+from sglang_unicache.policy.config import DEFAULT_VIEW_RUNGS, UniCacheConfig
 from sglang_unicache.policy.quantize import host_row_bytes
 from sglang_unicache.policy.registry import build_method
 
@@ -75,11 +75,16 @@ class Controller:
         self.active = cfg.method != "full" and cfg.keep_ratio < 1.0
         copies = self._host_copies()
         # With host copies a later question recalls the full image: content_lost, a guess about
-        # questions not yet asked, no longer guards anything (docs/selfcheck.md). Without them a
-        # span rests at the count it was planned at: the view is the span later questions
-        # share, so it is planned at keep_ratio.
-        wanted = ({"selfcheck_content_threshold": 1.0} if copies is not None
-                  else {"view_keep_ratio": 0.0})
+        # questions not yet asked, no longer guards anything (docs/selfcheck.md), and each
+        # request's own view starts on the self-check's ladder a rung above keep_ratio (its span
+        # rests at keep_ratio); with the check off it is planned at keep_ratio unless view_rungs
+        # says otherwise. Without copies a span rests at the count it was planned at: the view
+        # is the span later questions share, so it is planned at keep_ratio.
+        rungs = cfg.view_rungs
+        if rungs is None:
+            rungs = DEFAULT_VIEW_RUNGS if cfg.selfcheck else 0
+        wanted = ({"selfcheck_content_threshold": 1.0, "view_rungs": rungs}
+                  if copies is not None else {"view_rungs": 0})
         if any(getattr(cfg, key) != value for key, value in wanted.items()):
             self.config = cfg = cfg.replace(**wanted)
             self.method = build_method(cfg)

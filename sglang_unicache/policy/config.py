@@ -79,6 +79,12 @@ def doc(default: Any, meaning: str = "", *, section: str | None = None) -> Any:
     return dataclasses.field(default=default, metadata=metadata)
 
 
+# The rungs a request's own view is planned above keep_ratio when host copies are on: on the
+# bundled model's 300 long answers a view of 9 entries of 64 (one sqrt 2 rung above keep 0.1)
+# answered 99.3% against 94.7% at 6 (docs/selfcheck.md, "The escalation ladder").
+DEFAULT_VIEW_RUNGS = 1
+
+
 @dataclass(frozen=True)
 class UniCacheConfig:
     """Every policy parameter with its seed default. Shapes/units are in each field's ``doc``.
@@ -223,13 +229,13 @@ class UniCacheConfig:
         False, "a recalled question's compressed view (and its chat's history after the image) "
         "stays in the tree when it finishes; off: at rest the device holds one compressed span "
         "per image, the first question's")
-    # With host copies a request's own view is transient: planned larger, it decodes on more
-    # entries while the span rests at keep_ratio. On the bundled model's 300 long answers a
-    # view of 9 entries of 64 answered 99.3% against 91.3% at 6 (docs/selfcheck.md, "The
-    # escalation ladder"). 0 plans the view at keep_ratio (the defaults as measured).
-    view_keep_ratio: float = doc(
-        0.0, "with host copies: the keep ratio each request's own view is planned at (0: "
-        "keep_ratio; e.g. 0.1414, the ladder's first rung); its span rests at keep_ratio")
+    # With host copies a request's own view is transient: planned DEFAULT_VIEW_RUNGS up the
+    # escalation ladder, it decodes on more entries while the span rests at keep_ratio.
+    view_rungs: int | None = doc(
+        None, "with host copies: the rungs of the escalation ladder above keep_ratio each "
+        "request's own view is planned at (keep 0.1, 1 rung: 0.141, within 0.15x of the image); "
+        "its span rests at keep_ratio. None: 1 in the server with host copies and the "
+        "self-check on, else 0 (the policy alone: 0)")
     rest_at_keep_ratio: bool = doc(
         True, "once no request uses it, a span the self-check escalated goes back to "
         "keep_ratio x N entries when its image has a host copy (the copy serves later "
@@ -300,7 +306,8 @@ class UniCacheConfig:
                 f"{self.selfcheck_threshold!r}"
             )
         _unit("escalate_max_keep", self.escalate_max_keep, low_open=True)
-        _unit("view_keep_ratio", self.view_keep_ratio)
+        if self.view_rungs is not None:
+            _int_range("view_rungs", self.view_rungs, 0, 64)
         if not (isinstance(self.escalate_factor, (int, float))
                 and math.isfinite(self.escalate_factor) and self.escalate_factor > 1):
             raise ValueError(

@@ -1,8 +1,8 @@
 """The keep ratio's one owner: from the request's first plan to its span's last re-compression.
 
-1. **Start**: ``keep_ratio`` (or ``view_keep_ratio`` when larger: a request's own view, with
-   host copies), or with ``dynamic_rate`` the ratio the request's complexity gives (UniCache
-   seed §7.2, ``checks/dynamic_rate.py``).
+1. **Start**: ``keep_ratio``, or with ``dynamic_rate`` the ratio the request's complexity gives
+   (UniCache seed §7.2, ``checks/dynamic_rate.py``), raised ``view_rungs`` rungs up the ladder
+   (a request's own view, with host copies: its span rests at ``keep_ratio``).
 2. **Escalation**: a failed self-check multiplies it by ``escalate_factor`` (sqrt 2), up to
    ``escalate_max_keep`` (the cap; a start above it is not escalated). A level whose plan
    cannot pass the check's content half is skipped without being planned (``climb``); past
@@ -32,15 +32,21 @@ class KeepRatio:
     keep_ratio: float = 0.1
     escalate_max_keep: float = 0.4
     escalate_factor: float = 2**0.5
-    view_keep_ratio: float = 0.0
+    view_rungs: int | None = None  # None: 0 (the engine resolves it with host copies)
     recompress_factor: float = 0.5
     recompress_floor: float = 0.02
 
     def start(self, dynamic: float | None = None) -> float:
         """The ratio a request is planned at first (``dynamic``: the dynamic rate's, if on):
-        ``keep_ratio``, or ``view_keep_ratio`` when that is larger (the engine sets it only with
-        host copies, where the span goes back to ``keep_ratio`` at rest)."""
-        return max(self.keep_ratio, self.view_keep_ratio) if dynamic is None else dynamic
+        ``keep_ratio`` climbed ``view_rungs`` rungs, never past the cap (the engine sets
+        ``view_rungs`` only with host copies, where the span goes back to ``keep_ratio`` at
+        rest). A view rung is not an escalation."""
+        keep = self.keep_ratio if dynamic is None else dynamic
+        for _ in range(self.view_rungs or 0):
+            if not self.can_escalate(keep):
+                break
+            keep = self.escalated(keep)
+        return keep
 
     def can_escalate(self, keep: float) -> bool:
         return keep < self.escalate_max_keep

@@ -38,7 +38,7 @@ def test_defaults_are_seed_8_1() -> None:
         ("selfcheck_statistic", "entropy"),
         ("escalate_max_keep", 0.0),
         ("escalate_factor", 1.0),
-        ("view_keep_ratio", 1.5),
+        ("view_rungs", -1),
         ("escalate_factor", float("inf")),
         ("min_image_tokens", 0),
         ("layer_fill", "zeros"),

@@ -3,6 +3,8 @@ it stops, and how far a re-compression shrinks a span."""
 
 from __future__ import annotations
 
+import pytest
+
 from sglang_unicache.policy.keep import KeepRatio
 
 
@@ -41,9 +43,11 @@ def test_hopeless_levels_are_skipped_but_the_cap_is_always_planned():
     assert keep.climb(0.05, lambda level: False) == (0.05, 0)
 
 
-def test_a_view_ratio_above_the_keep_ratio_starts_the_plan_there():
-    keep = KeepRatio(keep_ratio=0.1, view_keep_ratio=0.1414)
-    assert keep.start() == 0.1414 and keep.start(dynamic=0.3) == 0.3
+def test_a_view_starts_the_plan_rungs_up_the_ladder_and_rests_at_the_keep_ratio():
+    keep = KeepRatio(keep_ratio=0.1, view_rungs=1)
+    assert keep.start() == pytest.approx(0.1 * 2**0.5) and keep.start(dynamic=0.3) == 0.4
     assert keep.at_rest(9, 64) == 6  # the span goes back to the keep ratio's count at rest
-    assert KeepRatio(keep_ratio=0.1, view_keep_ratio=0.05).start() == 0.1
+    assert KeepRatio(keep_ratio=0.1, view_rungs=4).start() == 0.4  # exactly the cap
+    assert KeepRatio(keep_ratio=0.1, view_rungs=9).start() == 0.4  # never past it
+    assert KeepRatio(keep_ratio=0.6, view_rungs=1).start() == 0.6  # above the cap: unchanged
     assert KeepRatio(keep_ratio=0.1).start() == 0.1

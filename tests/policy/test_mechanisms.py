@@ -168,15 +168,15 @@ def test_failed_selfcheck_escalates_the_budget_before_falling_back() -> None:
     assert climbed.fallback and climbed.escalations == 6 and climbed.keep_ratio == 0.4
 
 
-def test_a_view_ratio_plans_the_request_above_the_keep_ratio() -> None:
+def test_a_view_rung_plans_the_request_above_the_keep_ratio() -> None:
     inp = make_inputs()
-    base = build_method(UniCacheConfig(keep_ratio=0.1, selfcheck=False)).plan(inp)
-    view = build_method(UniCacheConfig(keep_ratio=0.1, view_keep_ratio=0.1414,
-                                       selfcheck=False)).plan(inp)
-    assert base.keep_ratio == 0.1 and view.keep_ratio == 0.1414
+    base = build_method(UniCacheConfig(keep_ratio=0.1, view_rungs=0, selfcheck=False)).plan(inp)
+    view = build_method(UniCacheConfig(keep_ratio=0.1, view_rungs=1, selfcheck=False)).plan(inp)
+    assert base.keep_ratio == 0.1 and view.keep_ratio == pytest.approx(0.1 * 2**0.5)
+    assert view.escalations == 0
     assert [p.physical_slots for p in base.spans] == [round(0.1 * p.span.length)
                                                       for p in base.spans]
-    assert [p.physical_slots for p in view.spans] == [round(0.1414 * p.span.length)
+    assert [p.physical_slots for p in view.spans] == [round(0.1 * 2**0.5 * p.span.length)
                                                       for p in view.spans]
 
 
