@@ -300,7 +300,8 @@ def main() -> None:
     extra = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)}
     check = {"off": {"selfcheck": False}, "on": {},
              "record": {"selfcheck_threshold": 1e30, "selfcheck_content_threshold": 1.0,
-                        "escalate_max_keep": 1e-9}}[args.selfcheck]
+                        "escalate_max_keep": 1e-9, "selfcheck_all_statistics": True}
+             }[args.selfcheck]
     config.write_text(json.dumps({**check, **extra}))
     settings = args.settings.split(",")
     results = []

@@ -193,6 +193,12 @@ class UniCacheConfig:
     # are wrong; every threshold from 0.025 to 0.25 gives UniCache the same verdicts (ours).
     selfcheck_content_threshold: float = doc(
         0.15, "content_lost above it fails the check too; 1 turns it off (docs/selfcheck.md)")
+    # What decides costs less than the record of every statistic: with the KL deciding and
+    # content_lost off (host copies), output_error, key_coverage and content_lost were a fifth
+    # of UniCache's plan of a 4 x 1,024-token request (BENCHMARKS.md, "Overhead").
+    selfcheck_all_statistics: bool = doc(
+        False, "compute every statistic of the check for /server_info's recent_checks, not only "
+        "those that decide")
     # A failed check multiplies the keep ratio by escalate_factor up to this cap (re-planned
     # from the same scores) before the request falls back to its full KV; <= keep_ratio means
     # no escalation (ours). sqrt(2), two rungs per doubling: from keep 0.1 the first rung (0.141)

@@ -219,17 +219,38 @@ def test_selfcheck_statistics_are_zero_when_nothing_is_lost() -> None:
     kept_all = build_method(UniCacheConfig(method="knorm", keep_ratio=1.0)).plan(inp)
     assert kept_all.selfcheck.checked and kept_all.selfcheck.passed
     assert max(abs(v) for v in kept_all.selfcheck.stats.values()) < 1e-5
-    lossy = build_method(UniCacheConfig(method="knorm", keep_ratio=0.2,
-                                        escalate_max_keep=0.2)).plan(inp).selfcheck
+    lossy = build_method(UniCacheConfig(method="knorm", keep_ratio=0.2, escalate_max_keep=0.2,
+                                        selfcheck_all_statistics=True)).plan(inp).selfcheck
     assert set(lossy.stats) == {"kl", "kl_head", "image_mass_lost", "output_error",
                                 "key_coverage", "content_lost"}
     assert all(lossy.stats[name] > 1e-3 for name in lossy.stats)
     assert lossy.stats["kl_head"] >= lossy.stats["kl"]
 
 
+@pytest.mark.parametrize("content_threshold,computed", [
+    (0.15, {"kl", "kl_head", "content_lost"}), (1.0, {"kl", "kl_head"})])
+@pytest.mark.parametrize("keep", [0.05, 0.1, 0.3])
+def test_the_check_computes_only_what_decides_and_decides_the_same(content_threshold, computed,
+                                                                   keep) -> None:
+    """Without ``selfcheck_all_statistics`` a KL-decided check computes the KL statistics and,
+    while its half is on, content_lost: the same verdict, value and level as the full record."""
+    inp = make_inputs()
+    cfg = UniCacheConfig(keep_ratio=keep, selfcheck_threshold=0.05,
+                         selfcheck_content_threshold=content_threshold)
+    lean = build_method(cfg).plan(inp)
+    full = build_method(cfg.replace(selfcheck_all_statistics=True)).plan(inp)
+    assert set(lean.selfcheck.stats) == computed
+    assert (lean.keep_ratio, lean.escalations, lean.fallback, lean.selfcheck.value) == \
+        (full.keep_ratio, full.escalations, full.fallback, full.selfcheck.value)
+    assert all(lean.selfcheck.stats[k] == full.selfcheck.stats[k] for k in computed)
+    assert [lp.kept.tolist() for p in lean.spans for lp in p.layers] == \
+        [lp.kept.tolist() for p in full.spans for lp in p.layers]
+
+
 def test_output_error_matches_a_direct_computation() -> None:
     inp = make_inputs(layers=1, group=1, window=1, spans=((0, 100),))
-    cfg = UniCacheConfig(method="knorm", keep_ratio=0.3, selfcheck_layers=1)
+    cfg = UniCacheConfig(method="knorm", keep_ratio=0.3, selfcheck_layers=1,
+                         selfcheck_all_statistics=True)
     plan = build_method(cfg).plan(inp)
     q, k, v = inp.obs_queries[0][0], inp.keys[0], inp.values[0]
     errors, lost = [], []

@@ -68,8 +68,7 @@ def test_a_seeded_request_gets_its_pinned_plan(name: str) -> None:
     else:
         assert plan.selfcheck.passed == passed and plan.selfcheck.statistic == "kl"
         assert plan.selfcheck.value == pytest.approx(kl, abs=1e-5)
-        assert set(plan.selfcheck.stats) == {"kl", "kl_head", "image_mass_lost",
-                                             "output_error", "key_coverage", "content_lost"}
+        assert set(plan.selfcheck.stats) == {"kl", "kl_head"}  # what decides, content off
     assert plan.spans[0].layers[0].kept.tolist() == span0
     assert plan.spans[1].layers[3].kept.tolist() == span1
     assert [int((lp.assign >= 0).sum()) - lp.kept.numel() for lp in plan.spans[0].layers] == merged
@@ -79,8 +78,9 @@ def test_a_seeded_request_gets_its_pinned_plan(name: str) -> None:
 def test_a_level_that_fails_on_kl_is_escalated_without_the_rest_of_the_check(monkeypatch) -> None:
     """Below the cap a level is first checked on its KL alone: the escalating request's two
     failed levels compute neither key_coverage nor the content layer's plan, and its plan and
-    full report are those of checking every level in full."""
-    cfg = PINNED["escalating"][0]
+    full report are those of checking every level in full. (With only what decides computed,
+    the default, no level computes key_coverage.)"""
+    cfg = PINNED["escalating"][0].replace(selfcheck_all_statistics=True)
     inp = make_inputs(layers=4, tokens=120, dtype=torch.bfloat16, seed=3)
     calls = []
     real = selfcheck.key_coverage
@@ -97,6 +97,10 @@ def test_a_level_that_fails_on_kl_is_escalated_without_the_rest_of_the_check(mon
     assert fast.selfcheck.passed == full.selfcheck.passed
     for name, value in full.selfcheck.stats.items():
         assert fast.selfcheck.stats[name] == pytest.approx(value, abs=1e-6), name
+
+    calls.clear()
+    lean = build_method(PINNED["escalating"][0]).plan(inp)
+    assert not calls and _digest(lean) == _digest(full)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

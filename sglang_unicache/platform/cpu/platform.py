@@ -9,7 +9,13 @@ from sglang.srt.platforms.cpu import CpuDeviceMixin
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
-from sglang_unicache.platform.cpu import default_max_total_tokens, hicache, threads_bind, vision
+from sglang_unicache.platform.cpu import (
+    default_max_total_tokens,
+    hicache,
+    malloc,
+    threads_bind,
+    vision,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +56,7 @@ class UniCacheCpuPlatform(CpuDeviceMixin, SRTPlatform):
         self._bind_threads(server_args)
 
     def init_backend(self) -> None:
+        malloc.install()
         hicache.install()
         vision.install()
 

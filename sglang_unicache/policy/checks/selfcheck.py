@@ -60,7 +60,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_unicache.policy.config import SELFCHECK_STATISTICS
+from sglang_unicache.policy.config import SELFCHECK_QUERY_STATISTICS
 from sglang_unicache.policy.executor import execute_layer
 from sglang_unicache.policy.kernels.reference import (
     _logits,
@@ -296,13 +296,15 @@ FLOOR_MARGIN = 1e-5
 class SelfCheck:
     """The §7.1 check, built from the config's ``selfcheck_*`` fields: ``statistic`` (one of
     ``SELFCHECK_STATISTICS``, default "kl"), ``threshold`` (fails above it, default 0.9),
-    ``layers`` (the last layers checked, default 2) and ``content_threshold`` (``content_lost``
-    fails above it, default 0.15; 1 turns that half of the check off)."""
+    ``layers`` (the last layers checked, default 2), ``content_threshold`` (``content_lost``
+    fails above it, default 0.15; 1 turns that half of the check off) and ``all_statistics``
+    (compute every statistic for the record, not only those that decide)."""
 
     statistic: str = "kl"
     threshold: float = 0.9
     layers: int = 2
     content_threshold: float = 0.15
+    all_statistics: bool = False
 
     def unchecked(self, layers: tuple[int, ...] = ()) -> SelfCheckResult:
         """The passing result of a check that saw nothing (identity plan, no valid query)."""
@@ -352,22 +354,31 @@ class SelfCheck:
 
     def __call__(self, ctx, plans: list[CompressionPlan]) -> SelfCheckResult:
         """Run the check over the last ``layers`` layers. ``plans``' ``layers`` need hold only
-        the ones ``layers_read`` names."""
+        the ones ``layers_read`` names. Unless ``all_statistics``, only what decides is
+        computed: the deciding statistic (with a KL one, just ``kl`` and ``kl_head``) and
+        ``content_lost`` while its half is on."""
         layers = self.checked_layers(ctx.num_layers)
-        content = content_lost(ctx, plans)
-        if content is None:
+        if all(p.skipped for p in plans):
             return self.unchecked(layers)
+        lean = self.decided_by_kl and not self.all_statistics
         per_layer = []
         if ctx.has_queries:
-            per_layer = [v for v in (layer_stats(ctx, li, plans) for li in layers) if v is not None]
+            per_layer = [v for v in (layer_stats(ctx, li, plans, kl_only=lean) for li in layers)
+                         if v is not None]
+        parts, names = [], []
         if per_layer:
-            worst = torch.cat([torch.stack(per_layer).amax(dim=0), content.view(1)])
-            stats = dict(zip(SELFCHECK_STATISTICS, worst.tolist(), strict=True))  # one host sync
+            parts.append(torch.stack(per_layer).amax(dim=0))
+            names += KL_STATISTICS if lean else SELFCHECK_QUERY_STATISTICS
+        if not lean or self.content_threshold < 1.0 or not per_layer:
+            parts.append(content_lost(ctx, plans).view(1))
+            names.append("content_lost")
+        stats = dict(zip(names, torch.cat(parts).tolist(), strict=True))  # one host sync
+        if per_layer:
             value = stats[self.statistic]
             passed = value <= self.threshold
         else:  # no query sees the spans: only the question-free half decides
-            stats = {"content_lost": float(content)}
             value, passed = stats.get(self.statistic, 0.0), True
-        passed = passed and stats["content_lost"] <= self.content_threshold
+        lost = stats.get("content_lost")
+        passed = passed and (lost is None or lost <= self.content_threshold)
         return SelfCheckResult(self.statistic, value, self.threshold, layers, True, passed, stats,
                                self.content_threshold)
