@@ -219,7 +219,7 @@ class Method:
         None: all) and the self-check of the drafts. Below the escalation cap a level is first
         checked on its KL alone, with only the checked layers planned: one that fails there is
         escalated without planning the content layer or computing the other statistics
-        (``SelfCheck.fails_on_kl``); the verdict and the plans are those of the full check."""
+        (``SelfCheck.kl_check``); the verdict and the plans are those of the full check."""
         drafts = [self._draft(ctx, seg, seg_keep, align_score, identity)
                   for seg, seg_keep in self._segment_keeps(ctx, keep)]
 
@@ -233,13 +233,14 @@ class Method:
         if check is None or identity:
             plan(layers)
             return drafts, None if check is None else check.unchecked()
+        kl = None
         if self.keep.can_escalate(keep) and check.decided_by_kl:
             plan(check.checked_layers(ctx.num_layers))
-            failed = check.fails_on_kl(ctx, drafts)
-            if failed is not None:
-                return drafts, failed
+            kl = check.kl_check(ctx, drafts)
+            if kl is not None and not kl.passed:
+                return drafts, kl
         plan(layers)
-        return drafts, check(ctx, drafts)
+        return drafts, check(ctx, drafts, kl)
 
     def execute(
         self,

@@ -75,7 +75,7 @@ def test_a_seeded_request_gets_its_pinned_plan(name: str) -> None:
     assert _digest(plan) == digest, "kept entries or merges of some layer changed"
 
 
-def test_a_level_that_fails_on_kl_is_escalated_without_the_rest_of_the_check(monkeypatch) -> None:
+def test_a_level_failing_its_kl_escalates_without_the_rest_of_the_check(monkeypatch) -> None:
     """Below the cap a level is first checked on its KL alone: the escalating request's two
     failed levels compute neither key_coverage nor the content layer's plan, and its plan and
     full report are those of checking every level in full. (With only what decides computed,
@@ -90,7 +90,7 @@ def test_a_level_that_fails_on_kl_is_escalated_without_the_rest_of_the_check(mon
     assert fast.escalations == 2 and len(calls) == spans_checked
 
     calls.clear()
-    monkeypatch.setattr(selfcheck.SelfCheck, "fails_on_kl", lambda *a: None)
+    monkeypatch.setattr(selfcheck.SelfCheck, "kl_check", lambda *a: None)
     full = build_method(cfg).plan(inp)
     assert len(calls) == 3 * spans_checked  # every level checked in full
     assert _digest(fast) == _digest(full) and fast.keep_ratio == full.keep_ratio
@@ -190,3 +190,16 @@ def test_key_coverage_reuses_a_nested_level(nested: bool) -> None:
         want = 1.0 - torch.bmm(unit, unit.gather(1, kept.unsqueeze(-1).expand(-1, -1, d))
                                .transpose(1, 2)).amax(-1).mean(-1)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_a_level_passing_its_kl_check_is_not_checked_again(monkeypatch) -> None:
+    """The level that settles below the cap computes its KL once: the full check takes the
+    KL check's statistics (only what decides is computed; content_lost is off here)."""
+    calls = []
+    real = selfcheck.layer_stats
+    monkeypatch.setattr(selfcheck, "layer_stats",
+                        lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    inp = make_inputs(layers=4, tokens=120, dtype=torch.bfloat16, seed=3)
+    plan = build_method(PINNED["shipped"][0]).plan(inp)
+    assert plan.escalations == 0 and plan.selfcheck.passed
+    assert sorted(calls) == [2, 3]  # the two checked layers, once

@@ -192,7 +192,7 @@ def layer_stats(ctx, layer: int, plans: list[CompressionPlan], kl_only: bool = F
                 ) -> Tensor | None:
     """One layer's statistics, in the order of config's ``SELFCHECK_QUERY_STATISTICS``, or None
     (no valid observation query). ``kl_only``: just ``kl`` and ``kl_head`` (what a level that
-    fails on them needs: ``SelfCheck.fails_on_kl``)."""
+    fails on them needs: ``SelfCheck.kl_check``)."""
     inp = ctx.inputs
     plans = [p for p in plans if not p.skipped]
     if not plans:
@@ -329,51 +329,57 @@ class SelfCheck:
 
     @property
     def decided_by_kl(self) -> bool:
-        """Whether the deciding statistic is one ``fails_on_kl`` computes alone."""
+        """Whether the deciding statistic is one ``kl_check`` computes alone."""
         return self.statistic in KL_STATISTICS
 
-    def fails_on_kl(self, ctx, plans: list[CompressionPlan]) -> SelfCheckResult | None:
-        """The failed result of plans whose deciding statistic (``kl`` or ``kl_head``) alone is
-        over the threshold, computed without the other statistics, ``content_lost`` or the
-        content layer's plan; None when it is not (the full check decides). A level below the
-        escalation cap that fails here is escalated at the cost of its KL; only the level that
-        settles is checked in full, so the reported statistics are the same."""
-        if not self.decided_by_kl or not ctx.has_queries or all(p.skipped for p in plans):
+    def _kl_statistics(self, ctx, plans: list[CompressionPlan]) -> dict | None:
+        """``kl`` and ``kl_head`` of the plans over the checked layers (the worst layer), or
+        None when no observation query sees a compressed span."""
+        if not ctx.has_queries or all(p.skipped for p in plans):
             return None
-        layers = self.checked_layers(ctx.num_layers)
-        per_layer = [v for v in (layer_stats(ctx, li, plans, kl_only=True) for li in layers)
-                     if v is not None]
+        per_layer = [v for v in (layer_stats(ctx, li, plans, kl_only=True)
+                                 for li in self.checked_layers(ctx.num_layers)) if v is not None]
         if not per_layer:
             return None
-        worst = dict(zip(KL_STATISTICS, torch.stack(per_layer).amax(dim=0).tolist(), strict=True))
-        value = worst[self.statistic]
-        if value <= self.threshold:
-            return None
-        return SelfCheckResult(self.statistic, value, self.threshold, layers, True, False, worst,
-                               self.content_threshold)
+        return dict(zip(KL_STATISTICS, torch.stack(per_layer).amax(dim=0).tolist(), strict=True))
 
-    def __call__(self, ctx, plans: list[CompressionPlan]) -> SelfCheckResult:
+    def kl_check(self, ctx, plans: list[CompressionPlan]) -> SelfCheckResult | None:
+        """The verdict of the deciding statistic (``kl`` or ``kl_head``) alone, computed without
+        the other statistics, ``content_lost`` or the content layer's plan; None when the KL
+        does not decide or cannot be computed. A level below the escalation cap that fails here
+        is escalated at the cost of its KL; a level that passes hands this result to the full
+        check (``__call__``), which does not compute it again."""
+        stats = self._kl_statistics(ctx, plans) if self.decided_by_kl else None
+        if stats is None:
+            return None
+        value = stats[self.statistic]
+        return SelfCheckResult(self.statistic, value, self.threshold,
+                               self.checked_layers(ctx.num_layers), True, value <= self.threshold,
+                               stats, self.content_threshold)
+
+    def __call__(self, ctx, plans: list[CompressionPlan],
+                 kl: SelfCheckResult | None = None) -> SelfCheckResult:
         """Run the check over the last ``layers`` layers. ``plans``' ``layers`` need hold only
-        the ones ``layers_read`` names. Unless ``all_statistics``, only what decides is
-        computed: the deciding statistic (with a KL one, just ``kl`` and ``kl_head``) and
-        ``content_lost`` while its half is on."""
+        the ones ``layers_read`` names; ``kl``: these plans' ``kl_check``, if already made.
+        Unless ``all_statistics``, only what decides is computed: the deciding statistic (with
+        a KL one, just ``kl`` and ``kl_head``) and ``content_lost`` while its half is on."""
         layers = self.checked_layers(ctx.num_layers)
         if all(p.skipped for p in plans):
             return self.unchecked(layers)
         lean = self.decided_by_kl and not self.all_statistics
-        per_layer = []
-        if ctx.has_queries:
-            per_layer = [v for v in (layer_stats(ctx, li, plans, kl_only=lean) for li in layers)
+        stats = {}
+        if lean:
+            stats = dict(kl.stats) if kl is not None else self._kl_statistics(ctx, plans) or {}
+        elif ctx.has_queries:
+            per_layer = [v for v in (layer_stats(ctx, li, plans) for li in layers)
                          if v is not None]
-        parts, names = [], []
-        if per_layer:
-            parts.append(torch.stack(per_layer).amax(dim=0))
-            names += KL_STATISTICS if lean else SELFCHECK_QUERY_STATISTICS
-        if not lean or self.content_threshold < 1.0 or not per_layer:
-            parts.append(content_lost(ctx, plans).view(1))
-            names.append("content_lost")
-        stats = dict(zip(names, torch.cat(parts).tolist(), strict=True))  # one host sync
-        if per_layer:
+            if per_layer:
+                stats = dict(zip(SELFCHECK_QUERY_STATISTICS,
+                                 torch.stack(per_layer).amax(dim=0).tolist(), strict=True))
+        queried = bool(stats)
+        if not lean or self.content_threshold < 1.0 or not queried:
+            stats["content_lost"] = float(content_lost(ctx, plans))
+        if queried:
             value = stats[self.statistic]
             passed = value <= self.threshold
         else:  # no query sees the spans: only the question-free half decides
