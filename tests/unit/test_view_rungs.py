@@ -1,0 +1,43 @@
+"""Where a request's own view starts (``view_rungs``), as the controller resolves it: a rung up
+the ladder only where its span rests at ``keep_ratio`` afterwards (host copies on) and the
+self-check's ladder is on; exactly ``keep_ratio`` otherwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("sglang")
+
+from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+
+from sglang_unicache.engine.controller import Controller  # noqa: E402
+from sglang_unicache.policy.config import UniCacheConfig  # noqa: E402
+
+
+class Tree:
+    """What the controller asks of the radix cache at start-up."""
+
+    def enable_spans(self, settings, slots, recall=None) -> None:
+        self.recall = recall
+
+
+@pytest.mark.parametrize("config,copies,rungs", [
+    ({}, True, 1),  # the defaults: keep 0.1 -> a view of keep 0.141
+    ({"selfcheck": False}, True, 0),  # the user asked for exactly keep_ratio
+    ({"view_rungs": 2}, True, 2),
+    ({"view_rungs": 0}, True, 0),
+    ({"host_copies": "off"}, False, 0),  # the view is the span later questions share
+    ({"host_copies": "off", "view_rungs": 2}, False, 0),
+    ({"method": "knorm"}, False, 0),  # no copies: its entries do not follow the question
+])
+def test_the_view_starts_a_rung_up_only_with_host_copies_and_the_check(config, copies, rungs):
+    pool = MHATokenToKVPool(64, 1, torch.float32, 2, 8, 2, "cpu", False)
+    allocator = TokenToKVPoolAllocator(64, torch.float32, "cpu", pool, need_sort=False)
+    tree = Tree()
+    controller = Controller(UniCacheConfig(**config), torch.zeros(2, 64, dtype=torch.int32),
+                            pool, allocator, tree=tree)
+    assert (tree.recall is not None) == copies
+    assert controller.config.view_rungs == rungs
+    assert controller.method.keep.start() == pytest.approx(0.1 * 2 ** (rungs / 2))
