@@ -59,6 +59,7 @@ from sglang_unicache.policy.reducers.base import Reducer
 from sglang_unicache.policy.scorers.alignment import alignment_scores, protected_count
 from sglang_unicache.policy.scorers.base import Scorer
 from sglang_unicache.policy.signals import masked_minmax
+from sglang_unicache.policy.stacked import layer_groups
 
 Tensor = torch.Tensor
 
@@ -71,8 +72,9 @@ def selection_key(
     """``[H, N]`` priority of every span token: ``forced`` (``[N]`` bool, protected) > the last
     ``n_recent`` tokens > ``n_anchor`` evenly spaced anchors > score (min-max normalised per head,
     so tiers never mix). :func:`select` keeps the top K; a later re-compression of the kept
-    entries (:mod:`sglang_unicache.policy.shrink`) keeps the top of the same order."""
-    h, n = scores.shape
+    entries (:mod:`sglang_unicache.policy.shrink`) keeps the top of the same order. Scores
+    ``[g, H, N]`` (layers stacked) give each layer's priorities."""
+    n = scores.shape[-1]
     key = masked_minmax(
         scores.float().nan_to_num(0.0), torch.ones(n, dtype=torch.bool, device=scores.device)
     )
@@ -137,7 +139,7 @@ class Method:
         if self.needs_queries:
             ctx.require_queries(f"method {self.name!r}")
         identity = self.budget.keeps_everything
-        scores = [self._layer_scores(ctx, li) for li in range(ctx.num_layers)]
+        scores = self._scores(ctx)
         align_score = None
         alignment = None
         wants_alignment = self.protects_alignment or self.dynamic_rate is not None
@@ -225,9 +227,8 @@ class Method:
 
         def plan(which) -> None:
             for d in drafts:
-                for li in range(ctx.num_layers) if which is None else which:
-                    if li not in d.layers:
-                        d.layers[li] = self._plan_layer(ctx, d, li, scores)
+                self._plan_layers(ctx, d, range(ctx.num_layers) if which is None else which,
+                                  scores)
 
         check = self.selfcheck
         if check is None or identity:
@@ -252,6 +253,16 @@ class Method:
         return execute(plan, keys, values, **kw)
 
     # -- steps ------------------------------------------------------------------------------------
+    def _scores(self, ctx: PlanContext) -> list[Tensor]:
+        """Every layer's ``[H, T]`` scores: a group of layers at once where the scorer can
+        (``score_layers``) and the context allows (``stacked.layer_groups``), else layer by
+        layer. The numbers are the same."""
+        by_group = getattr(self.scorer, "score_layers", None)
+        groups = None if by_group is None else layer_groups(ctx)
+        if groups is None:
+            return [self._layer_scores(ctx, li) for li in range(ctx.num_layers)]
+        return [s for g in groups for s in by_group(ctx, g).float().unbind(0)]
+
     def _layer_scores(self, ctx: PlanContext, layer: int) -> Tensor:
         s = self.scorer.score(ctx, layer).float()
         hm = ctx.head_clusters(layer)
@@ -316,6 +327,37 @@ class Method:
                 forced[top] = True
         return _Draft(seg, skipped, forced, budgets, self._counts(seg, budgets))
 
+    def _plan_layers(self, ctx: PlanContext, d: _Draft, layers, scores: list[Tensor]) -> None:
+        """Plan the span's ``layers`` not planned yet into ``d.layers``: the layers that keep
+        the same count at once where the reducer can (``reduce_layers``; no head merging),
+        the others one by one. The plans are the same."""
+        todo = [li for li in layers if li not in d.layers]
+        by_group = getattr(self.reducer, "reduce_layers", None)
+        if by_group is None or ctx.head_merge or len(todo) < 2:
+            for li in todo:
+                d.layers[li] = self._plan_layer(ctx, d, li, scores)
+            return
+        for k in sorted({int(d.counts[li]) for li in todo}):
+            group = [li for li in todo if int(d.counts[li]) == k]
+            for li, lp in zip(group, self._plan_group(ctx, d, group, k, scores, by_group),
+                              strict=True):
+                d.layers[li] = lp
+
+    def _plan_group(self, ctx, d: _Draft, group: list[int], k: int, scores: list[Tensor],
+                    reduce_layers) -> list[LayerPlan]:
+        """``_plan_layer`` of layers keeping the same ``k`` entries, stacked."""
+        seg = d.span
+        s = torch.stack([scores[li][:, seg.start : seg.end] for li in group])  # [g, H, N]
+        n_recent = round(self.recent_fraction * k) if not d.skipped else 0
+        n_anchor = round(self.anchor_fraction * k) if not d.skipped else 0
+        key = selection_key(s, d.forced, n_recent, n_anchor)
+        kept = torch.topk(key, k, dim=-1).indices.sort(dim=-1).values
+        assign, weight = reduce_layers(ctx, group, seg, kept, s)
+        priority = key.gather(-1, kept)
+        return [LayerPlan(kept[i], assign[i], weight[i], int(d.budgets[li]), None, None,
+                          merges=self.reducer.merges, priority=priority[i])
+                for i, li in enumerate(group)]
+
     def _plan_layer(self, ctx: PlanContext, d: _Draft, li: int, scores: list[Tensor]) -> LayerPlan:
         seg = d.span
         k = int(d.counts[li])
@@ -341,8 +383,8 @@ class Method:
         self, ctx: PlanContext, d: _Draft, scores: list[Tensor], check: SelfCheckResult | None
     ) -> CompressionPlan:
         """The span's plan: the layers the check did not read planned at the level it settled."""
-        layers = [d.layers[li] if li in d.layers else self._plan_layer(ctx, d, li, scores)
-                  for li in range(ctx.num_layers)]
+        self._plan_layers(ctx, d, range(ctx.num_layers), scores)
+        layers = [d.layers[li] for li in range(ctx.num_layers)]
         protected = torch.nonzero(d.forced).flatten()
         report = byte_report(ctx, d.span, layers, protected, self.config.quantization)
         return CompressionPlan(d.span, self.name, layers, protected, int(d.counts.max()),

@@ -101,6 +101,11 @@ class PlanContext:
             self._cache[key] = fn()
         return self._cache[key]
 
+    def store(self, name: str, layer: int, value) -> None:
+        """Keep a signal computed elsewhere (``policy/stacked.py``: several layers at once) as
+        ``cached(name, layer, ...)`` would have computed it."""
+        self._cache[(name, layer)] = value
+
     # -- K/V after head merging (seed §3: merge heads first, then score tokens) -------------------
     def head_clusters(self, layer: int) -> tuple[Tensor, Tensor] | None:
         """``(head_map [H], head_weight [H])`` or None when head merging is off."""
@@ -140,15 +145,19 @@ class PlanContext:
         if self.inputs.num_tokens > self.stats_chunk:
             return None
         if layer not in self._logits:
-            if len(self._logits) >= 2:
-                self._logits.pop(next(iter(self._logits)))
-            self._logits[layer] = causal_logits(
+            self.keep_logits(layer, causal_logits(
                 self.inputs.obs_queries[layer],
                 self.keys(layer),
                 self.inputs.scale,
                 self.obs_positions,
-            )
+            ))
         return self._logits[layer]
+
+    def keep_logits(self, layer: int, logits: Tensor) -> None:
+        """Keep ``logits`` as the layer's (the two latest layers are kept)."""
+        if len(self._logits) >= 2:
+            self._logits.pop(next(iter(self._logits)))
+        self._logits[layer] = logits
 
     def window_lse(
         self, layer: int, col_mask: Tensor | None = None, rows: slice | None = None

@@ -14,17 +14,17 @@ Tensor = torch.Tensor
 
 
 def masked_minmax(x: Tensor, mask: Tensor | None) -> Tensor:
-    """Min-max normalise ``x [H, T]`` to [0, 1] over the columns where ``mask [T]`` is True (None:
-    every column), per row; other columns become 0. A constant row maps to 0.5 (no preference).
-    Seed §2.3: attention is normalised *within* a modality, never globally."""
+    """Min-max normalise ``x [..., H, T]`` to [0, 1] over the columns where ``mask [T]`` is True
+    (None: every column), per row; other columns become 0. A constant row maps to 0.5 (no
+    preference). Seed §2.3: attention is normalised *within* a modality, never globally."""
     if mask is None:
-        lo = x.amin(dim=1, keepdim=True)
-        hi = x.amax(dim=1, keepdim=True)
+        lo = x.amin(dim=-1, keepdim=True)
+        hi = x.amax(dim=-1, keepdim=True)
     else:
         big = torch.finfo(torch.float32).max
         m = mask.unsqueeze(0)
-        lo = torch.where(m, x, big).amin(dim=1, keepdim=True)
-        hi = torch.where(m, x, -big).amax(dim=1, keepdim=True)
+        lo = torch.where(m, x, big).amin(dim=-1, keepdim=True)
+        hi = torch.where(m, x, -big).amax(dim=-1, keepdim=True)
     span = hi - lo
     out = torch.where(span > 1e-12, (x - lo) / span.clamp_min(1e-12), torch.full_like(x, 0.5))
     return out if mask is None else torch.where(m, out, torch.zeros_like(out))
@@ -42,11 +42,11 @@ def unit_kv(keys: Tensor, values: Tensor) -> Tensor:
 
 
 def unit_kv_norms(keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
-    """(``unit_kv``, ``[T, H, 2]`` the L2 norms of each key and value). One fp32 buffer
+    """(``unit_kv``, ``[T, H, 2]`` the L2 norms of each key and value); keys and values
+    ``[..., T, H, D]`` (layers stacked in front give each layer's numbers). One fp32 buffer
     normalised in place: the same numbers as ``F.normalize`` of K and V apart, concatenated."""
-    t, h, d = keys.shape
     x = torch.cat([keys, values], -1).float()
-    halves = x.view(t, h, 2, d)
+    halves = x.view(*keys.shape[:-1], 2, keys.shape[-1])
     norms = halves.norm(dim=-1, keepdim=True)
     halves.div_(norms.clamp_min(1e-12))
     return x.div_(2**0.5), norms.squeeze(-1)
@@ -63,24 +63,28 @@ def neighbour_redundancy(keys: Tensor, values: Tensor, run_id: Tensor, k: int) -
 
 
 def raster_redundancy(x: Tensor, run_id: Tensor, k: int, rows: int = 1024) -> Tensor:
-    """``neighbour_redundancy`` of ``x = unit_kv(keys, values)``. The products of neighbours
-    are reduced ``rows`` tokens at a time, so the temporary stays in cache (each row's sum is
-    the same whatever the chunk)."""
-    t, h, _ = x.shape
-    total = torch.zeros(t, h, device=x.device)
+    """``neighbour_redundancy`` of ``x = unit_kv(keys, values)`` ``[..., T, H, 2D]`` (layers
+    stacked in front give each layer's ``[H, T]``). The products of neighbours are reduced
+    about ``rows`` tokens of every layer at a time, so the temporary stays in cache (each row's
+    sum is the same whatever the chunk)."""
+    lead, (t, h, _) = x.shape[:-3], x.shape[-3:]
+    x = x.reshape(-1, *x.shape[-3:])  # [L', T, H, 2D]
+    rows = max(64, rows // x.shape[0])
+    total = torch.zeros(x.shape[0], t, h, device=x.device)
     count = torch.zeros(t, 1, device=x.device)
     for off in range(1, min(k, t - 1) + 1):
         same = (run_id[off:] == run_id[:-off]).float().unsqueeze(-1)  # [T-off, 1]
-        sim = torch.empty(t - off, h, device=x.device)
+        sim = torch.empty(x.shape[0], t - off, h, device=x.device)
         for a in range(0, t - off, rows):
             b = min(t - off, a + rows)
-            torch.sum(x[off + a : off + b] * x[a:b], -1, out=sim[a:b])
-        sim *= same  # [T-off, H]
-        total[off:] += sim
-        total[:-off] += sim
+            sim[:, a:b] = torch.sum(x[:, off + a : off + b] * x[:, a:b], -1)
+        sim *= same  # [L', T-off, H]
+        total[:, off:] += sim
+        total[:, :-off] += sim
         count[off:] += same
         count[:-off] += same
-    return (total / count.clamp_min(1.0)).clamp(0.0, 1.0).T.contiguous()
+    out = (total / count.clamp_min(1.0)).clamp(0.0, 1.0).transpose(1, 2).contiguous()
+    return out.view(*lead, h, t)
 
 
 def grid_redundancy(keys: Tensor, values: Tensor, cols: int, k: int) -> Tensor:

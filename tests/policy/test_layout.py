@@ -40,7 +40,7 @@ RANKS = [
     {"catalog", "config", "serial", "shrink", "keep", "kernels"},
     {"inputs", "heads", "signals", "ranks"},
     {"plans"},
-    {"context", "quantize"},
+    {"context", "quantize", "stacked"},
     {"executor"},
     {"scorers", "budgets", "reducers", "checks"},  # the parts
     {"compressor"},

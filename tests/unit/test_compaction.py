@@ -129,7 +129,9 @@ def test_a_failure_after_the_first_write_leaves_nothing_changed():
 def test_the_prompt_kv_is_read_one_layer_at_a_time(monkeypatch):
     """Compression must not copy the whole prompt's K/V for every layer at once (2 GB for a
     32k-token prompt on a 7B model, outside the pool budget). The default method, self-check
-    on, over 8 layers: at no point are more than two layers' copies alive. Nor does it read a
+    on, over 8 layers: at no point are more than two layers' copies alive (the signals computed
+    for several layers at once, ``policy/stacked.py``, copy each layer into a stack bounded by
+    ``stacked.GROUP_BYTES`` and only below ``stats_chunk`` tokens). Nor does it read a
     layer more often than it must: the plan reads each layer's prompt K and V once per pass over
     the layers (scores; the self-check's reference and its statistics read the checked and
     content layers again), and the execution reads each layer of the span's own rows once."""

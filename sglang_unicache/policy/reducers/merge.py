@@ -56,13 +56,48 @@ class MergeReducer:
         return assign, merge_weights(scores, assign, k)
 
 
+    def reduce_layers(self, ctx, layers, seg, kept, scores):
+        """``reduce`` of every layer of ``layers`` at once: kept ``[g, H, K]`` and scores
+        ``[g, H, N]`` in, ``(assign, weight)`` ``[g, H, N]`` out, each layer's the one ``reduce``
+        gives (the nearest kept entry is searched over the rows any layer needs)."""
+        n = seg.length
+        g, h, k = kept.shape
+        assign = torch.full((g, h, n), -1, dtype=torch.int32, device=kept.device)
+        assign.scatter_(2, kept, torch.arange(k, dtype=torch.int32,
+                                              device=kept.device).expand(g, h, k))
+        if k == n:
+            return assign, (assign >= 0).float()
+        sl = slice(seg.start, seg.end)
+        d = torch.stack([ctx.redundancy(li)[:, sl] for li in layers])  # [g, H, N]
+        candidate = (assign < 0) & (d > self.merge_threshold)
+        rows = candidate.any(1).any(0).nonzero().flatten()
+        if rows.numel() == 0:
+            return assign, merge_weights(scores, assign, k)
+        heads = torch.arange(h, device=kept.device)
+        sims, nears = [], []
+        for i, li in enumerate(layers):  # one product per layer: no copy of the stacked K/V
+            x = ctx.unit_kv(li)[sl]  # [N, H, 2D]
+            xk = x[kept[i].T, heads]  # [K, H, 2D]
+            xr = x.index_select(0, rows).transpose(0, 1)  # [H, R, 2D]
+            sim, near = torch.bmm(xr, xk.permute(1, 2, 0)).max(dim=-1)  # [H, R]
+            sims.append(sim)
+            nears.append(near)
+        sim, near = torch.stack(sims), torch.stack(nears)
+        best_sim = torch.full((g, h, n), -2.0, device=sim.device).index_copy_(2, rows, sim)
+        best = torch.zeros(g, h, n, dtype=near.dtype, device=near.device).index_copy_(2, rows,
+                                                                                      near)
+        merge = candidate & (best_sim >= self.evict_low)
+        assign = torch.where(merge, best.to(torch.int32), assign)
+        return assign, merge_weights(scores, assign, k)
+
+
 def merge_weights(scores: torch.Tensor, assign: torch.Tensor, k: int) -> torch.Tensor:
-    """Importance weights normalised within each entry: ``[H, N]`` fp32, 0 for evicted tokens."""
-    h = scores.shape[0]
+    """Importance weights normalised within each entry: ``[..., H, N]`` fp32, 0 for evicted
+    tokens."""
     imp = masked_minmax(scores.float(), None)
     imp = imp + 1e-3
     valid = assign >= 0
     imp = torch.where(valid, imp, torch.zeros_like(imp))
     idx = assign.long().clamp_min(0)
-    total = torch.zeros(h, k, device=scores.device).scatter_add_(1, idx, imp)
-    return torch.where(valid, imp / total.gather(1, idx).clamp_min(1e-12), torch.zeros_like(imp))
+    total = torch.zeros(*scores.shape[:-1], k, device=scores.device).scatter_add_(-1, idx, imp)
+    return torch.where(valid, imp / total.gather(-1, idx).clamp_min(1e-12), torch.zeros_like(imp))

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from sglang_unicache.policy import stacked
 from sglang_unicache.policy.catalog import method, scorer
 from sglang_unicache.policy.signals import by_modality_minmax
 
@@ -57,11 +58,16 @@ def layer_weights(w, layer: int, num_layers: int) -> tuple[float, float, float, 
 
 def cross_modal(ctx, layer: int) -> torch.Tensor:
     """``[H, T]`` c_i in [0, 1] (see module docstring)."""
+    return cross_modal_of(ctx, ctx.received_from_text(layer), ctx.visual_share(layer))
+
+
+def cross_modal_of(ctx, received_text: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
+    """c_i ``[..., H, T]`` from the attention received from text queries ``[..., H, T]`` and
+    each query's visual share ``[..., H, W]``."""
     vis = ctx.is_visual
-    c = by_modality_minmax(ctx.received_from_text(layer), vis) * vis.float()
-    share = ctx.visual_share(layer)  # [H, W]
+    c = by_modality_minmax(received_text, vis) * vis.float()
     text_q = ctx.query_is_text
-    c[:, ctx.obs_positions[text_q]] = share[:, text_q]
+    c[..., ctx.obs_positions[text_q]] = share[..., text_q]
     return c
 
 
@@ -93,6 +99,22 @@ class UniCacheScorer:
             c = q * cross_modal(ctx, layer) + (1 - q) * u
         else:
             a, c = u, u
+        return wa * a + wc * c - wd * d + wr * r
+
+    def score_layers(self, ctx, layers: range) -> torch.Tensor:
+        """``score`` of every layer of ``layers``, stacked ``[g, H, T]``: the same numbers from
+        the signals ``stacked.fill`` computes for the group at once."""
+        sig = stacked.fill(ctx, layers)
+        vis = ctx.is_visual
+        wa, wc, wd, wr = torch.tensor(
+            [layer_weights(self, li, ctx.num_layers) for li in layers],
+            device=vis.device).T.reshape(4, -1, 1, 1)
+        d = sig["redundancy"]
+        u = by_modality_minmax(-sig["key_norm"], vis)
+        r = ctx.recency().unsqueeze(0)
+        q = self.query_weight
+        a = q * by_modality_minmax(sig["received"], vis) + (1 - q) * u
+        c = q * cross_modal_of(ctx, sig["received_text"], sig["visual_share"]) + (1 - q) * u
         return wa * a + wc * c - wd * d + wr * r
 
 
