@@ -44,6 +44,18 @@ def execute_layer(lp: LayerPlan, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
             merge_gather(v, lp.kept, lp.assign, lp.weight))
 
 
+def execute_keys(lp: LayerPlan, k: Tensor) -> Tensor:
+    """The compressed keys ``[K_l, H, D]`` of one layer alone: ``execute_layer``'s, without
+    the values (what the self-check's KL reads)."""
+    if lp.head_map is not None:
+        k = apply_head_merge(k, lp.head_map, lp.head_weight)
+    if lp.num_kept == k.shape[0]:
+        return k.clone()
+    if not lp.merges:
+        return gather_heads(k, lp.kept)
+    return merge_gather(k, lp.kept, lp.assign, lp.weight)
+
+
 def execute(
     plan: CompressionPlan,
     keys: Sequence[Tensor] | Tensor,

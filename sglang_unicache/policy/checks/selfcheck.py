@@ -61,7 +61,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_unicache.policy.config import SELFCHECK_QUERY_STATISTICS
-from sglang_unicache.policy.executor import execute_layer
+from sglang_unicache.policy.executor import execute_keys, execute_layer
 from sglang_unicache.policy.kernels.reference import (
     _logits,
     attend_from_logits,
@@ -205,7 +205,10 @@ def layer_stats(ctx, layer: int, plans: list[CompressionPlan], kl_only: bool = F
     for p, (sees, log_p, p_span, unit) in zip(plans, ref["spans"], strict=True):
         sl = slice(p.span.start, p.span.end)
         lp = p.layers[layer]
-        k_c, v_c = execute_layer(lp, ctx.keys(layer)[sl], ctx.values(layer)[sl])
+        if kl_only:  # the KL reads the compressed keys alone
+            k_c, v_c = execute_keys(lp, ctx.keys(layer)[sl]), None
+        else:
+            k_c, v_c = execute_layer(lp, ctx.keys(layer)[sl], ctx.values(layer)[sl])
         l_comp = _logits(q, k_c, inp.scale).masked_fill(~sees, float("-inf"))
         parts.append((lp, log_p, p_span, l_comp, v_c))
         if not kl_only:
