@@ -219,9 +219,10 @@ class Method:
     ) -> tuple[list[_Draft], SelfCheckResult | None]:
         """Every span drafted at one keep ratio (only ``layers``, the ones the self-check reads;
         None: all) and the self-check of the drafts. Below the escalation cap a level is first
-        checked on its KL alone, with only the checked layers planned: one that fails there is
-        escalated without planning the content layer or computing the other statistics
-        (``SelfCheck.kl_check``); the verdict and the plans are those of the full check."""
+        checked on its KL alone, its checked layers planned one at a time: one that fails there
+        is escalated without planning the content layer, the checked layers after the first that
+        fails, or computing the other statistics (``SelfCheck.kl_check``); the verdict and the
+        plans are those of the full check."""
         drafts = [self._draft(ctx, seg, seg_keep, align_score, identity)
                   for seg, seg_keep in self._segment_keeps(ctx, keep)]
 
@@ -236,8 +237,7 @@ class Method:
             return drafts, None if check is None else check.unchecked()
         kl = None
         if self.keep.can_escalate(keep) and check.decided_by_kl:
-            plan(check.checked_layers(ctx.num_layers))
-            kl = check.kl_check(ctx, drafts)
+            kl = check.kl_check(ctx, drafts, plan_layer=lambda li: plan((li,)))
             if kl is not None and not kl.passed:
                 return drafts, kl
         plan(layers)

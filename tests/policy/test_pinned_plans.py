@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from sglang_unicache.policy import signals
 from sglang_unicache.policy.checks import selfcheck
 from sglang_unicache.policy.checks.selfcheck import key_coverage, reference_attention
+from sglang_unicache.policy.compressor import Method
 from sglang_unicache.policy.config import UniCacheConfig
 from sglang_unicache.policy.context import PlanContext
 from sglang_unicache.policy.inputs import ScoreInputs
@@ -90,7 +91,7 @@ def test_a_level_failing_its_kl_escalates_without_the_rest_of_the_check(monkeypa
     assert fast.escalations == 2 and len(calls) == spans_checked
 
     calls.clear()
-    monkeypatch.setattr(selfcheck.SelfCheck, "kl_check", lambda *a: None)
+    monkeypatch.setattr(selfcheck.SelfCheck, "kl_check", lambda *a, **k: None)
     full = build_method(cfg).plan(inp)
     assert len(calls) == 3 * spans_checked  # every level checked in full
     assert _digest(fast) == _digest(full) and fast.keep_ratio == full.keep_ratio
@@ -101,6 +102,31 @@ def test_a_level_failing_its_kl_escalates_without_the_rest_of_the_check(monkeypa
     calls.clear()
     lean = build_method(PINNED["escalating"][0]).plan(inp)
     assert not calls and _digest(lean) == _digest(full)
+
+
+def test_a_failing_level_stops_at_its_first_failing_layer(monkeypatch) -> None:
+    """The KL is a maximum over the checked layers: a level below the cap reads its checked
+    layers one at a time, the last first, and stops at the first whose KL fails (the others
+    are neither planned nor read); the request settles where reading every layer settles."""
+    cfg = UniCacheConfig(keep_ratio=0.05, selfcheck_threshold=1e-6, escalate_max_keep=0.4,
+                         escalate_factor=2.0, selfcheck_layers=3, selfcheck_content_threshold=1.0)
+    inp = make_inputs(layers=4, tokens=120, seed=3)
+    reads, planned = [], []
+    real_stats, real_plan = selfcheck.layer_stats, Method._plan_layer
+    monkeypatch.setattr(selfcheck, "layer_stats", lambda ctx, li, plans, kl_only=False: (
+        reads.append((li, kl_only)) or real_stats(ctx, li, plans, kl_only)))
+    monkeypatch.setattr(Method, "_plan_layer", lambda self, ctx, d, li, scores: (
+        planned.append(li) or real_plan(self, ctx, d, li, scores)))
+    early = build_method(cfg).plan(inp)
+    assert early.escalations == 3 and early.fallback
+    # 0.05, 0.1 and 0.2 fail on layer 3 alone; the cap (0.4) reads every checked layer
+    assert reads == [(3, True)] * 3 + [(1, True), (2, True), (3, True)]
+    assert planned[:6] == [3, 3] * 3  # each failed level planned layer 3 of both spans only
+
+    monkeypatch.setattr(selfcheck.SelfCheck, "kl_check", lambda *a, **k: None)
+    every = build_method(cfg).plan(inp)
+    assert _digest(early) == _digest(every) and early.keep_ratio == every.keep_ratio
+    assert early.selfcheck.stats == every.selfcheck.stats
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

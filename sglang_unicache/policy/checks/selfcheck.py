@@ -346,19 +346,40 @@ class SelfCheck:
             return None
         return dict(zip(KL_STATISTICS, torch.stack(per_layer).amax(dim=0).tolist(), strict=True))
 
-    def kl_check(self, ctx, plans: list[CompressionPlan]) -> SelfCheckResult | None:
+    def kl_check(self, ctx, plans: list[CompressionPlan],
+                 plan_layer=None) -> SelfCheckResult | None:
         """The verdict of the deciding statistic (``kl`` or ``kl_head``) alone, computed without
         the other statistics, ``content_lost`` or the content layer's plan; None when the KL
         does not decide or cannot be computed. A level below the escalation cap that fails here
         is escalated at the cost of its KL; a level that passes hands this result to the full
-        check (``__call__``), which does not compute it again."""
-        stats = self._kl_statistics(ctx, plans) if self.decided_by_kl else None
-        if stats is None:
+        check (``__call__``), which does not compute it again.
+
+        The checked layers are read one at a time, the last first (``plan_layer(li)``, when
+        given, plans layer ``li`` of ``plans`` just before it is read), and the first layer
+        whose deciding statistic is above the threshold ends the check: the statistic is a
+        maximum over the layers, so that is the verdict of every layer, without planning or
+        reading the others. A failed result holds that layer's statistics; a passed one the
+        maximum over every checked layer, as ``_kl_statistics`` gives."""
+        if not self.decided_by_kl or not ctx.has_queries or all(p.skipped for p in plans):
             return None
+        layers = self.checked_layers(ctx.num_layers)
+        which = KL_STATISTICS.index(self.statistic)
+        per_layer = []
+        for li in reversed(layers):
+            if plan_layer is not None:
+                plan_layer(li)
+            v = layer_stats(ctx, li, plans, kl_only=True)
+            if v is None:
+                continue
+            per_layer.append(v)
+            if float(v[which]) > self.threshold:
+                break
+        if not per_layer:
+            return None
+        stats = dict(zip(KL_STATISTICS, torch.stack(per_layer).amax(dim=0).tolist(), strict=True))
         value = stats[self.statistic]
-        return SelfCheckResult(self.statistic, value, self.threshold,
-                               self.checked_layers(ctx.num_layers), True, value <= self.threshold,
-                               stats, self.content_threshold)
+        return SelfCheckResult(self.statistic, value, self.threshold, layers, True,
+                               value <= self.threshold, stats, self.content_threshold)
 
     def __call__(self, ctx, plans: list[CompressionPlan],
                  kl: SelfCheckResult | None = None) -> SelfCheckResult:
