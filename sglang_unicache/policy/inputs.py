@@ -22,8 +22,10 @@ Tensor = torch.Tensor
 
 class LayerView(Sequence[Tensor]):
     """Per-layer ``[T, H, D]`` tensors made on access (``get(layer)``, e.g. gathered from a KV
-    pool one layer at a time), so a long prompt's K/V is never held for every layer at once.
-    The layer read last is kept, so the steps that read one layer in turn gather it once.
+    pool one layer at a time), so a long prompt's K/V is never held for every layer at once
+    (``policy/stacked.py`` stacks a group of layers bounded by ``GROUP_BYTES``, only for prompts
+    within ``stats_chunk``). The layer read last is kept, so the steps that read one layer in
+    turn gather it once.
     Every layer has ``shape``, ``dtype`` and ``device``."""
 
     def __init__(self, num_layers: int, shape: tuple[int, ...], get: Callable[[int], Tensor],
