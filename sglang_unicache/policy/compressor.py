@@ -337,21 +337,27 @@ class Method:
             for li in todo:
                 d.layers[li] = self._plan_layer(ctx, d, li, scores)
             return
-        for k in sorted({int(d.counts[li]) for li in todo}):
-            group = [li for li in todo if int(d.counts[li]) == k]
+        counts = d.counts.tolist()
+        for k in sorted({counts[li] for li in todo}):
+            group = [li for li in todo if counts[li] == k]
             for li, lp in zip(group, self._plan_group(ctx, d, group, k, scores, by_group),
                               strict=True):
                 d.layers[li] = lp
+
+    def _select(self, d: _Draft, s: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """(the selection key, the ``k`` kept tokens per head, ascending) of the span's scores
+        ``s`` ``[..., H, N]``."""
+        n_recent = round(self.recent_fraction * k) if not d.skipped else 0
+        n_anchor = round(self.anchor_fraction * k) if not d.skipped else 0
+        key = selection_key(s, d.forced, n_recent, n_anchor)
+        return key, torch.topk(key, k, dim=-1).indices.sort(dim=-1).values
 
     def _plan_group(self, ctx, d: _Draft, group: list[int], k: int, scores: list[Tensor],
                     reduce_layers) -> list[LayerPlan]:
         """``_plan_layer`` of layers keeping the same ``k`` entries, stacked."""
         seg = d.span
         s = torch.stack([scores[li][:, seg.start : seg.end] for li in group])  # [g, H, N]
-        n_recent = round(self.recent_fraction * k) if not d.skipped else 0
-        n_anchor = round(self.anchor_fraction * k) if not d.skipped else 0
-        key = selection_key(s, d.forced, n_recent, n_anchor)
-        kept = torch.topk(key, k, dim=-1).indices.sort(dim=-1).values
+        key, kept = self._select(d, s, k)
         assign, weight = reduce_layers(ctx, group, seg, kept, s)
         priority = key.gather(-1, kept)
         return [LayerPlan(kept[i], assign[i], weight[i], int(d.budgets[li]), None, None,
@@ -360,12 +366,8 @@ class Method:
 
     def _plan_layer(self, ctx: PlanContext, d: _Draft, li: int, scores: list[Tensor]) -> LayerPlan:
         seg = d.span
-        k = int(d.counts[li])
         s = scores[li][:, seg.start : seg.end]
-        n_recent = round(self.recent_fraction * k) if not d.skipped else 0
-        n_anchor = round(self.anchor_fraction * k) if not d.skipped else 0
-        key = selection_key(s, d.forced, n_recent, n_anchor)  # top k per head, ascending
-        kept = torch.topk(key, k, dim=1).indices.sort(dim=1).values
+        key, kept = self._select(d, s, int(d.counts[li]))
         assign, weight = self.reducer.reduce(ctx, li, seg, kept, s)
         hm = ctx.head_clusters(li)
         return LayerPlan(

@@ -30,30 +30,26 @@ def span_slice(plan: CompressionPlan, x: Tensor, span_local: bool | None) -> Ten
 
 def execute_layer(lp: LayerPlan, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """Compressed ``([K_l, H, D], [K_l, H, D])`` of one layer from the span's ``[N, H, D]`` K/V."""
-    if lp.head_map is not None:
-        k = apply_head_merge(k, lp.head_map, lp.head_weight)
-        v = apply_head_merge(v, lp.head_map, lp.head_weight)
-    if lp.num_kept == k.shape[0]:  # every token kept (kept is sorted and unique): identity
-        return k.clone(), v.clone()
-    if not lp.merges:  # eviction only: a per-head gather
-        return gather_heads(k, lp.kept), gather_heads(v, lp.kept)
-    if k.shape == v.shape and k.dtype == v.dtype:  # one call merges both alike
+    merged = lp.merges and lp.num_kept != k.shape[0]
+    if merged and k.shape == v.shape and k.dtype == v.dtype:  # one call merges both alike
+        if lp.head_map is not None:
+            k = apply_head_merge(k, lp.head_map, lp.head_weight)
+            v = apply_head_merge(v, lp.head_map, lp.head_weight)
         kv = merge_gather(torch.stack([k, v], 2), lp.kept, lp.assign, lp.weight)
         return kv[:, :, 0].contiguous(), kv[:, :, 1].contiguous()
-    return (merge_gather(k, lp.kept, lp.assign, lp.weight),
-            merge_gather(v, lp.kept, lp.assign, lp.weight))
+    return execute_one(lp, k), execute_one(lp, v)
 
 
-def execute_keys(lp: LayerPlan, k: Tensor) -> Tensor:
-    """The compressed keys ``[K_l, H, D]`` of one layer alone: ``execute_layer``'s, without
-    the values (what the self-check's KL reads)."""
+def execute_one(lp: LayerPlan, x: Tensor) -> Tensor:
+    """One of a layer's compressed tensors ``[K_l, H, D]`` (keys or values) from the span's
+    ``[N, H, D]``: ``execute_layer``'s, alone (the self-check's KL reads the keys only)."""
     if lp.head_map is not None:
-        k = apply_head_merge(k, lp.head_map, lp.head_weight)
-    if lp.num_kept == k.shape[0]:
-        return k.clone()
-    if not lp.merges:
-        return gather_heads(k, lp.kept)
-    return merge_gather(k, lp.kept, lp.assign, lp.weight)
+        x = apply_head_merge(x, lp.head_map, lp.head_weight)
+    if lp.num_kept == x.shape[0]:  # every token kept (kept is sorted and unique): identity
+        return x.clone()
+    if not lp.merges:  # eviction only: a per-head gather
+        return gather_heads(x, lp.kept)
+    return merge_gather(x, lp.kept, lp.assign, lp.weight)
 
 
 def execute(

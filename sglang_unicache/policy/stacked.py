@@ -4,12 +4,12 @@
 tokens on an 8-layer model) costs about a thousand small tensor operations that way, each a
 few microseconds of dispatch on a CPU and a kernel launch on a GPU; most of the plan's time.
 Here the layers of a group are stacked along a leading dimension and each signal is computed
-once for the group: the window logits of every layer in one batched matrix product, their
+once for the group: the window logits of every layer written into one buffer, their
 normalisers, probabilities and column sums, the unit K/V and the neighbour redundancy. Each
 layer's slice is stored in the context's cache under the name its per-layer method uses, so
 the scorer's combination, the merge reducer, the alignment scores and the self-check read them
 unchanged. The stacked operations are the per-layer ones with a leading dimension: every value
-is the one the per-layer path gives (``tests/unit/test_stacked.py`` compares them exactly).
+is the one the per-layer path gives (``tests/policy/test_stacked.py`` compares them exactly).
 
 Groups are consecutive layers whose temporaries fit ``GROUP_BYTES``; the per-layer path stays
 for what this does not cover (head merging, a request longer than ``stats_chunk``, spans on a

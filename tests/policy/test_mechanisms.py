@@ -525,19 +525,23 @@ def test_content_floor_bounds_every_plan_of_its_size() -> None:
         assert lost(content.topk(k, dim=1).indices) == pytest.approx(floor, abs=1e-6)
 
 
-@pytest.mark.parametrize("method,keep", [("unicache", 0.1), ("snapkv", 0.1), ("knorm", 1.0)])
-def test_the_keys_the_check_compresses_alone_are_the_executed_keys(method, keep) -> None:
-    """The self-check's KL reads compressed keys made without the values (``execute_keys``):
-    they are the keys ``execute_layer`` gives, bit for bit, merged, evicted or kept whole."""
-    from sglang_unicache.policy.executor import execute_keys, execute_layer
+@pytest.mark.parametrize("head_merge", [False, True])
+def test_the_keys_the_check_compresses_alone_are_the_executed_keys(head_merge) -> None:
+    """The self-check's KL reads compressed keys made without the values (``execute_one``):
+    they are the keys ``execute_layer`` gives, bit for bit, where it merges keys and values in
+    one call (evicted and whole layers take ``execute_one`` in both)."""
+    from sglang_unicache.policy.executor import execute_layer, execute_one
 
     inp = make_inputs()
-    plan = build_method(UniCacheConfig(method=method, keep_ratio=keep, selfcheck=False)).plan(inp)
+    cfg = UniCacheConfig(keep_ratio=0.1, selfcheck=False, head_merge=head_merge,
+                         head_merge_threshold=0.3)
+    plan = build_method(cfg).plan(inp)
     merged = 0
     for sp in plan.spans:
         sl = slice(sp.span.start, sp.span.end)
         for li, lp in enumerate(sp.layers):
             k, _ = execute_layer(lp, inp.keys[li][sl], inp.values[li][sl])
-            assert torch.equal(execute_keys(lp, inp.keys[li][sl]), k)
+            assert torch.equal(execute_one(lp, inp.keys[li][sl]), k)
             merged += int((lp.assign >= 0).sum()) - lp.kept.numel()
-    assert (merged > 0) == (method == "unicache")
+            assert (lp.head_map is not None) == head_merge
+    assert merged > 0

@@ -10,16 +10,23 @@ import torch
 
 from sglang_unicache.policy import stacked
 from sglang_unicache.policy.catalog import from_config
+from sglang_unicache.policy.compressor import Method
 from sglang_unicache.policy.config import UniCacheConfig
 from sglang_unicache.policy.context import PlanContext
 from sglang_unicache.policy.inputs import ImageSpan, ScoreInputs
 from sglang_unicache.policy.ranks import ONE_RANK
-from sglang_unicache.policy.reducers.merge import MergeReducer
 from sglang_unicache.policy.registry import build_method
 from tests.policy.conftest import make_inputs
 
 SIGNALS = ("unit_kv", "key_norm", "redundancy", "lse_all", "lse_visual", "received",
            "received_text", "visual_share")
+
+
+def _one_layer_at_a_time(self, ctx, d, layers, scores) -> None:
+    """``Method._plan_layers`` without the stacked layers: each layer alone (``reduce``)."""
+    for li in layers:
+        if li not in d.layers:
+            d.layers[li] = self._plan_layer(ctx, d, li, scores)
 
 
 def _contexts(cfg, inputs):
@@ -61,7 +68,7 @@ def test_a_plan_from_stacked_layers_is_the_per_layer_plan(monkeypatch, config, e
     method = build_method(UniCacheConfig(**{"keep_ratio": 0.1, **config}))
     stacked_plan = method.plan(inputs)
     monkeypatch.setattr("sglang_unicache.policy.compressor.layer_groups", lambda ctx: None)
-    monkeypatch.delattr(MergeReducer, "reduce_layers")
+    monkeypatch.setattr(Method, "_plan_layers", _one_layer_at_a_time)
     layer_plan = method.plan(inputs)
     assert stacked_plan.escalations == layer_plan.escalations == escalations
     assert stacked_plan.keep_ratio == layer_plan.keep_ratio

@@ -61,7 +61,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_unicache.policy.config import SELFCHECK_QUERY_STATISTICS
-from sglang_unicache.policy.executor import execute_keys, execute_layer
+from sglang_unicache.policy.executor import execute_layer, execute_one
 from sglang_unicache.policy.kernels.reference import (
     _logits,
     attend_from_logits,
@@ -206,7 +206,7 @@ def layer_stats(ctx, layer: int, plans: list[CompressionPlan], kl_only: bool = F
         sl = slice(p.span.start, p.span.end)
         lp = p.layers[layer]
         if kl_only:  # the KL reads the compressed keys alone
-            k_c, v_c = execute_keys(lp, ctx.keys(layer)[sl]), None
+            k_c, v_c = execute_one(lp, ctx.keys(layer)[sl]), None
         else:
             k_c, v_c = execute_layer(lp, ctx.keys(layer)[sl], ctx.values(layer)[sl])
         l_comp = _logits(q, k_c, inp.scale).masked_fill(~sees, float("-inf"))
@@ -335,13 +335,28 @@ class SelfCheck:
         """Whether the deciding statistic is one ``kl_check`` computes alone."""
         return self.statistic in KL_STATISTICS
 
-    def _kl_statistics(self, ctx, plans: list[CompressionPlan]) -> dict | None:
+    def _kl_statistics(self, ctx, plans: list[CompressionPlan], plan_layer=None,
+                       early_stop: bool = False) -> dict | None:
         """``kl`` and ``kl_head`` of the plans over the checked layers (the worst layer), or
-        None when no observation query sees a compressed span."""
+        None when no observation query sees a compressed span. ``plan_layer(li)``, when given,
+        plans layer ``li`` of ``plans`` just before it is read. ``early_stop`` (``kl_check``):
+        the layers are read the last first and the first whose deciding statistic is above
+        the threshold ends the reading; the statistic is a maximum over the layers, so that is
+        the verdict of every layer, and that layer's statistics are the result."""
         if not ctx.has_queries or all(p.skipped for p in plans):
             return None
-        per_layer = [v for v in (layer_stats(ctx, li, plans, kl_only=True)
-                                 for li in self.checked_layers(ctx.num_layers)) if v is not None]
+        layers = self.checked_layers(ctx.num_layers)
+        which = KL_STATISTICS.index(self.statistic) if early_stop else None
+        per_layer = []
+        for li in reversed(layers) if early_stop else layers:
+            if plan_layer is not None:
+                plan_layer(li)
+            v = layer_stats(ctx, li, plans, kl_only=True)
+            if v is None:
+                continue
+            per_layer.append(v)
+            if early_stop and float(v[which]) > self.threshold:  # one host sync per layer read
+                break
         if not per_layer:
             return None
         return dict(zip(KL_STATISTICS, torch.stack(per_layer).amax(dim=0).tolist(), strict=True))
@@ -352,31 +367,14 @@ class SelfCheck:
         the other statistics, ``content_lost`` or the content layer's plan; None when the KL
         does not decide or cannot be computed. A level below the escalation cap that fails here
         is escalated at the cost of its KL; a level that passes hands this result to the full
-        check (``__call__``), which does not compute it again.
-
-        The checked layers are read one at a time, the last first (``plan_layer(li)``, when
-        given, plans layer ``li`` of ``plans`` just before it is read), and the first layer
-        whose deciding statistic is above the threshold ends the check: the statistic is a
-        maximum over the layers, so that is the verdict of every layer, without planning or
-        reading the others. A failed result holds that layer's statistics; a passed one the
-        maximum over every checked layer, as ``_kl_statistics`` gives."""
-        if not self.decided_by_kl or not ctx.has_queries or all(p.skipped for p in plans):
+        check (``__call__``), which does not compute it again. The checked layers are planned
+        (``plan_layer``) and read one at a time, the last first, up to the first whose KL fails
+        (``_kl_statistics``'s ``early_stop``): a failed level plans and reads no other."""
+        stats = (self._kl_statistics(ctx, plans, plan_layer, early_stop=True)
+                 if self.decided_by_kl else None)
+        if stats is None:
             return None
         layers = self.checked_layers(ctx.num_layers)
-        which = KL_STATISTICS.index(self.statistic)
-        per_layer = []
-        for li in reversed(layers):
-            if plan_layer is not None:
-                plan_layer(li)
-            v = layer_stats(ctx, li, plans, kl_only=True)
-            if v is None:
-                continue
-            per_layer.append(v)
-            if float(v[which]) > self.threshold:
-                break
-        if not per_layer:
-            return None
-        stats = dict(zip(KL_STATISTICS, torch.stack(per_layer).amax(dim=0).tolist(), strict=True))
         value = stats[self.statistic]
         return SelfCheckResult(self.statistic, value, self.threshold, layers, True,
                                value <= self.threshold, stats, self.content_threshold)

@@ -32,9 +32,10 @@ class Reducer(Protocol):
 
 
 def keep_only(kept: Tensor, n: int) -> tuple[Tensor, Tensor]:
-    """The assignment of plain eviction: kept tokens map to their own entry, all others to -1."""
-    h, k = kept.shape
-    assign = torch.full((h, n), -1, dtype=torch.int32, device=kept.device)
-    entries = torch.arange(k, dtype=torch.int32, device=kept.device).expand(h, k)
-    assign.scatter_(1, kept, entries)
+    """The assignment of plain eviction: kept tokens map to their own entry, all others to -1
+    (kept ``[..., H, K]``, layers stacked in front give each layer's)."""
+    k = kept.shape[-1]
+    assign = torch.full((*kept.shape[:-1], n), -1, dtype=torch.int32, device=kept.device)
+    entries = torch.arange(k, dtype=torch.int32, device=kept.device).expand_as(kept)
+    assign.scatter_(-1, kept, entries)
     return assign, (assign >= 0).float()

@@ -33,43 +33,22 @@ class MergeReducer:
     evict_low: float = 0.5
 
     def reduce(self, ctx, layer, seg, kept, scores):
+        assign, weight = self.reduce_layers(ctx, [layer], seg, kept[None], scores[None])
+        return assign[0], weight[0]
+
+    def reduce_layers(self, ctx, layers, seg, kept, scores):
+        """``reduce`` of every layer of ``layers`` at once: kept ``[g, H, K]`` and scores
+        ``[g, H, N]`` in, ``(assign, weight)`` ``[g, H, N]`` out, each layer's the one it gets
+        alone (the nearest kept entry is searched over the rows any layer needs; each row's
+        maximum is the same whatever the other rows)."""
         n = seg.length
-        h, k = kept.shape
+        g, h, k = kept.shape
         assign, _ = keep_only(kept, n)
         if k == n:
             return assign, (assign >= 0).float()
         sl = slice(seg.start, seg.end)
-        d = ctx.redundancy(layer)[:, sl]
-        candidate = (assign < 0) & (d > self.merge_threshold)  # evicted and redundant
-        rows = candidate.any(0).nonzero().flatten()
-        if rows.numel() == 0:
-            return assign, merge_weights(scores, assign, k)
-        x = ctx.unit_kv(layer)[sl]  # [N, H, 2D]
-        xk = x[kept.T, torch.arange(h, device=kept.device)]  # [K, H, 2D]
-        # Only the candidate rows need their most similar kept entry (one bmm over those rows).
-        xr = x.index_select(0, rows).transpose(0, 1)  # [H, R, 2D]
-        sim, near = torch.bmm(xr, xk.permute(1, 2, 0)).max(dim=-1)  # [H, R]
-        best_sim = torch.full((h, n), -2.0, device=sim.device).index_copy_(1, rows, sim)
-        best = torch.zeros(h, n, dtype=near.dtype, device=near.device).index_copy_(1, rows, near)
-        merge = candidate & (best_sim >= self.evict_low)
-        assign = torch.where(merge, best.to(torch.int32), assign)
-        return assign, merge_weights(scores, assign, k)
-
-
-    def reduce_layers(self, ctx, layers, seg, kept, scores):
-        """``reduce`` of every layer of ``layers`` at once: kept ``[g, H, K]`` and scores
-        ``[g, H, N]`` in, ``(assign, weight)`` ``[g, H, N]`` out, each layer's the one ``reduce``
-        gives (the nearest kept entry is searched over the rows any layer needs)."""
-        n = seg.length
-        g, h, k = kept.shape
-        assign = torch.full((g, h, n), -1, dtype=torch.int32, device=kept.device)
-        assign.scatter_(2, kept, torch.arange(k, dtype=torch.int32,
-                                              device=kept.device).expand(g, h, k))
-        if k == n:
-            return assign, (assign >= 0).float()
-        sl = slice(seg.start, seg.end)
         d = torch.stack([ctx.redundancy(li)[:, sl] for li in layers])  # [g, H, N]
-        candidate = (assign < 0) & (d > self.merge_threshold)
+        candidate = (assign < 0) & (d > self.merge_threshold)  # evicted and redundant
         rows = candidate.any(1).any(0).nonzero().flatten()
         if rows.numel() == 0:
             return assign, merge_weights(scores, assign, k)
@@ -78,6 +57,7 @@ class MergeReducer:
         for i, li in enumerate(layers):  # one product per layer: no copy of the stacked K/V
             x = ctx.unit_kv(li)[sl]  # [N, H, 2D]
             xk = x[kept[i].T, heads]  # [K, H, 2D]
+            # Only the candidate rows need their most similar kept entry.
             xr = x.index_select(0, rows).transpose(0, 1)  # [H, R, 2D]
             sim, near = torch.bmm(xr, xk.permute(1, 2, 0)).max(dim=-1)  # [H, R]
             sims.append(sim)

@@ -88,33 +88,37 @@ class UniCacheScorer:
     query_weight: float = 1.0
 
     def score(self, ctx, layer):
-        vis = ctx.is_visual
-        wa, wc, wd, wr = layer_weights(self, layer, ctx.num_layers)
         d = ctx.redundancy(layer)  # first: its unit K/V also give the key norms
-        u = by_modality_minmax(-ctx.key_norm(layer), vis)
-        r = ctx.recency().unsqueeze(0)
+        u = by_modality_minmax(-ctx.key_norm(layer), ctx.is_visual)
+        received = cross = None
         if ctx.has_queries:
-            q = self.query_weight
-            a = q * by_modality_minmax(ctx.received(layer), vis) + (1 - q) * u
-            c = q * cross_modal(ctx, layer) + (1 - q) * u
-        else:
-            a, c = u, u
-        return wa * a + wc * c - wd * d + wr * r
+            received, cross = ctx.received(layer), cross_modal(ctx, layer)
+        return self._combine(ctx, layer_weights(self, layer, ctx.num_layers), d, u, received,
+                             cross)
 
     def score_layers(self, ctx, layers: range) -> torch.Tensor:
         """``score`` of every layer of ``layers``, stacked ``[g, H, T]``: the same numbers from
         the signals ``stacked.fill`` computes for the group at once."""
         sig = stacked.fill(ctx, layers)
-        vis = ctx.is_visual
-        wa, wc, wd, wr = torch.tensor(
-            [layer_weights(self, li, ctx.num_layers) for li in layers],
-            device=vis.device).T.reshape(4, -1, 1, 1)
-        d = sig["redundancy"]
-        u = by_modality_minmax(-sig["key_norm"], vis)
+        weights = torch.tensor([layer_weights(self, li, ctx.num_layers) for li in layers],
+                               device=ctx.is_visual.device).T.reshape(4, -1, 1, 1)
+        u = by_modality_minmax(-sig["key_norm"], ctx.is_visual)
+        cross = cross_modal_of(ctx, sig["received_text"], sig["visual_share"])
+        return self._combine(ctx, weights, sig["redundancy"], u, sig["received"], cross)
+
+    def _combine(self, ctx, weights, d, u, received, cross):
+        """s = w_a a + w_c c - w_d d + w_r r from the redundancy ``d``, the question-free
+        saliency ``u``, the attention received and c (None without observation queries: a and
+        c are then u); ``weights`` (w_a, w_c, w_d, w_r) are a layer's floats or ``[g, 1, 1]``
+        tensors of a group's."""
+        wa, wc, wd, wr = weights
         r = ctx.recency().unsqueeze(0)
-        q = self.query_weight
-        a = q * by_modality_minmax(sig["received"], vis) + (1 - q) * u
-        c = q * cross_modal_of(ctx, sig["received_text"], sig["visual_share"]) + (1 - q) * u
+        if received is None:
+            a, c = u, u
+        else:
+            q = self.query_weight
+            a = q * by_modality_minmax(received, ctx.is_visual) + (1 - q) * u
+            c = q * cross + (1 - q) * u
         return wa * a + wc * c - wd * d + wr * r
 
 
