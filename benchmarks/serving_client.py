@@ -13,16 +13,22 @@ nothing is reused, and the rows measure the plugin's cost on the way to memory s
 ``--server-args`` adds flags to every server, stock included: ``--dtype float32`` computes in
 fp32 where the CPU has no native bf16 matrix multiply (AVX2 only: bf16 GEMMs run about 7x slower
 than fp32 there, and the servers are then bound by that emulation, not by their KV).
+``--rounds N`` runs the whole sequence of servers N times, stock first in each round, and adds a
+summary: each plugin server's median ratio to the same round's stock and the range over the rounds
+(one run's pool-free ratios move by about 0.2 on a shared 2-core machine, more than the targets'
+margins).
 
     python -m benchmarks.serving_client --out runs/serving-client.json
     python -m benchmarks.serving_client --server-args="--dtype float32" --out runs/sc-fp32.json
     python -m benchmarks.serving_client --profile --workloads "pool free" --out runs/sc-prof.json
+    python -m benchmarks.serving_client --rounds 5 --workloads "pool free" --out runs/sc-5.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,42 +74,74 @@ def run_client(server, model: Path, workload: list[str], out: Path) -> dict:
 
 
 def measure(model: Path, config: Path, log_dir: Path, workloads: list[str],
-            profile: bool = False, extra: tuple[str, ...] = ()) -> list[dict]:
+            profile: bool = False, extra: tuple[str, ...] = (), rounds: int = 1) -> list[dict]:
     rows = []
     for workload, parts in WORKLOADS.items():
         if not any(w in workload for w in workloads):
             continue
-        base = None
-        for i, (name, flags) in enumerate(servers(config).items()):
-            server = start_server(model, [*flags, *parts["server"], *extra],
-                                  log_dir / f"serving-client-{len(rows)}.log")
+        for r in range(rounds):
+            for row in _round(model, config, log_dir, workload, parts, profile, extra,
+                              len(rows)):
+                rows.append({**row, "round": r + 1} if rounds > 1 else row)
+    return rows
+
+
+RATIOS = ("tok_s_vs_stock", "tpot_vs_stock", "ttft_vs_stock")
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per workload and plugin server: the median of each ratio to its round's stock, and its
+    range over the rounds ("median (min-max)")."""
+    out = []
+    for workload in dict.fromkeys(row["workload"] for row in rows):
+        mine = [row for row in rows if row["workload"] == workload and "tok_s_vs_stock" in row]
+        for name in dict.fromkeys(row["server"] for row in mine):
+            runs = [row for row in mine if row["server"] == name]
+            entry = {"workload": workload, "server": name, "rounds": len(runs)}
+            for key in RATIOS:
+                values = sorted(row[key] for row in runs)
+                entry[key] = (f"{statistics.median(values):.2f}x "
+                              f"({values[0]:.2f}-{values[-1]:.2f})")
+            out.append(entry)
+    return out
+
+
+def _round(model: Path, config: Path, log_dir: Path, workload: str, parts: dict,
+           profile: bool, extra: tuple[str, ...], first: int) -> list[dict]:
+    """Every server once on ``workload``, stock first: their rows, ratios to this stock."""
+    rows = []
+    base = None
+    for i, (name, flags) in enumerate(servers(config).items()):
+        n = first + len(rows)
+        server = start_server(model, [*flags, *parts["server"], *extra],
+                              log_dir / f"serving-client-{n}.log")
+        try:
+            flush_cache(server)
+            before = internal_state(server).get("unicache", {})
+            spy = log_dir / f"serving-client-{n}.pyspy"
+            sampler = scheduler_phases.record(server, spy) if profile else None
             try:
-                flush_cache(server)
-                before = internal_state(server).get("unicache", {})
-                spy = log_dir / f"serving-client-{len(rows)}.pyspy"
-                sampler = scheduler_phases.record(server, spy) if profile else None
-                try:
-                    result = run_client(server, model, parts["client"],
-                                        log_dir / f"serving-client-{len(rows)}.jsonl")
-                finally:
-                    if sampler is not None:
-                        scheduler_phases.stop(sampler)
-                after = internal_state(server).get("unicache", {})
+                result = run_client(server, model, parts["client"],
+                                    log_dir / f"serving-client-{n}.jsonl")
             finally:
-                server.stop()
-            row = {"workload": workload, "server": name,
-                   "output_tok_s": round(result["output_throughput"], 1),
-                   "ttft_mean_ms": round(result["mean_ttft_ms"]),
-                   "tpot_mean_ms": round(result["mean_tpot_ms"], 1),
-                   **{key: after.get(key, 0) - before.get(key, 0) for key in PLUGIN_KEYS}}
-            if profile:
-                row["phases"] = scheduler_phases.phases(spy)
-            base = base or row
-            if i:
-                row["tok_s_vs_stock"] = round(row["output_tok_s"] / base["output_tok_s"], 2)
-                row["tpot_vs_stock"] = round(row["tpot_mean_ms"] / base["tpot_mean_ms"], 2)
-                row["ttft_vs_stock"] = round(row["ttft_mean_ms"] / base["ttft_mean_ms"], 2)
-            rows.append(row)
+                if sampler is not None:
+                    scheduler_phases.stop(sampler)
+            after = internal_state(server).get("unicache", {})
+        finally:
+            server.stop()
+        row = {"workload": workload, "server": name,
+               "output_tok_s": round(result["output_throughput"], 1),
+               "ttft_mean_ms": round(result["mean_ttft_ms"]),
+               "tpot_mean_ms": round(result["mean_tpot_ms"], 1),
+               **{key: after.get(key, 0) - before.get(key, 0) for key in PLUGIN_KEYS}}
+        if profile:
+            row["phases"] = scheduler_phases.phases(spy)
+        base = base or row
+        if i:
+            row["tok_s_vs_stock"] = round(row["output_tok_s"] / base["output_tok_s"], 2)
+            row["tpot_vs_stock"] = round(row["tpot_mean_ms"] / base["tpot_mean_ms"], 2)
+            row["ttft_vs_stock"] = round(row["ttft_mean_ms"] / base["ttft_mean_ms"], 2)
+        rows.append(row)
     return rows
 
 
@@ -116,6 +154,9 @@ def main() -> None:
                         help="py-spy each scheduler during the client's run (phase shares)")
     parser.add_argument("--server-args", default="",
                         help="flags added to every server, stock included (e.g. --dtype float32)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every server this many times, stock first in each round, "
+                             "and add the median ratios")
     parser.add_argument("--out", default="runs/serving-client.json")
     args = parser.parse_args()
     extra = tuple(args.server_args.split())
@@ -127,12 +168,17 @@ def main() -> None:
     start = time.perf_counter()
     log_dir = Path("runs/perf-logs")
     log_dir.mkdir(parents=True, exist_ok=True)
-    rows = measure(model, config, log_dir, args.workloads.split(","), args.profile, extra)
+    rows = measure(model, config, log_dir, args.workloads.split(","), args.profile, extra,
+                   args.rounds)
+    result = {"rows": rows, "server_args": list(extra), "rounds": args.rounds,
+              "seconds": round(time.perf_counter() - start)}
+    if args.rounds > 1:
+        result["summary"] = summary(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"rows": rows, "server_args": list(extra),
-                                          "seconds": round(time.perf_counter() - start)},
-                                         indent=1))
+    Path(args.out).write_text(json.dumps(result, indent=1))
     print_table(rows)
+    if args.rounds > 1:
+        print_table(result["summary"])
 
 
 if __name__ == "__main__":

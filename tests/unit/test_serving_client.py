@@ -1,0 +1,28 @@
+"""The client benchmark's summary over rounds: each plugin server's median ratio to its own
+round's stock and the range, so one noisy run does not decide a target."""
+
+from benchmarks.serving_client import summary
+
+
+def _row(workload, server, r, tok, tpot, ttft):
+    row = {"workload": workload, "server": server, "round": r}
+    if server != "stock":
+        row.update(tok_s_vs_stock=tok, tpot_vs_stock=tpot, ttft_vs_stock=ttft)
+    return row
+
+
+def test_the_summary_is_the_median_and_range_of_each_rounds_ratio():
+    rows = []
+    for r, (tok, tpot) in enumerate([(1.02, 1.05), (1.21, 0.79), (0.99, 1.01)], 1):
+        rows += [_row("pool free", "stock", r, 0, 0, 0),
+                 _row("pool free", "shipped", r, tok, tpot, 0.9),
+                 _row("pool free", "knorm", r, tok + 0.2, tpot - 0.2, 0.8)]
+    rows.append(_row("pool binds", "stock", 1, 0, 0, 0))
+    rows.append(_row("pool binds", "shipped", 1, 1.6, 1.3, 0.4))
+    got = summary(rows)
+    assert [(e["workload"], e["server"], e["rounds"]) for e in got] == [
+        ("pool free", "shipped", 3), ("pool free", "knorm", 3), ("pool binds", "shipped", 1)]
+    assert got[0]["tok_s_vs_stock"] == "1.02x (0.99-1.21)"
+    assert got[0]["tpot_vs_stock"] == "1.01x (0.79-1.05)"
+    assert got[1]["tpot_vs_stock"] == "0.81x (0.59-0.85)"
+    assert got[2]["ttft_vs_stock"] == "0.40x (0.40-0.40)"
