@@ -8,7 +8,8 @@ prints one JSON line: wall time, tokens prefilled, output tokens per second and 
     python -m benchmarks.workload_phases stock   # or knorm, unicache, unicache-no-copies, shipped
 
 ``unicache`` is the default method with the self-check off (host copies on, as shipped);
-``unicache-no-copies`` the same with ``host_copies: off``.
+``unicache-no-copies`` the same with ``host_copies: off``. ``--server-args`` adds flags to the
+server (``--dtype float32``: compute at native speed on a CPU without a bf16 matrix multiply).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=48)
     parser.add_argument("--image-px", type=int, default=448,
                         help="image side in px (448: 256 visual tokens, 896: 1,024)")
+    parser.add_argument("--server-args", default="",
+                        help="flags added to the server (e.g. --dtype float32)")
     parser.add_argument("--work", default="runs/workload-phases")
     args = parser.parse_args()
     work = Path(args.work)
@@ -47,7 +50,7 @@ def main() -> None:
              "unicache-no-copies": flags_for("unicache", 0.1, no_copies),
              "shipped": next(iter(SHIPPED_ROW.values()))}[args.server]
     picks = popular_images(24, args.conversations, 1.1, 0)  # perf_workload.workload's draw
-    pool = ["--max-total-tokens", str(workload_pool(args.image_px))]
+    pool = ["--max-total-tokens", str(workload_pool(args.image_px)), *args.server_args.split()]
     with warmed(model, flags + pool, work / f"{args.server}-{args.image_px}.log") as server:
         offset = len(server.log())
         sampler = scheduler_phases.record(server, work / f"{args.server}-{args.image_px}.pyspy")
