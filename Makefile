@@ -32,7 +32,8 @@ format: setup
 # On a fresh clone setup takes 5 min and bench_policy.py 1 min. perf.py's default parts were
 # timed one by one, not as a whole: the decode part 10 min, capacity over 400 images on two
 # models 22 min, capacity with HiCache ~20 min, the workload on a larger model 8 min.
-# serving_client.py (SGLang's own benchmark client against stock and each config) ~10 min.
+# serving_client.py (SGLang's own benchmark client against stock and each config, three
+# rounds: the verdict is their median) ~37 min with --dtype float32, longer in bf16.
 # Results: runs/perf.json, runs/serving-client.json, logs runs/perf-logs.
 # Do not run it beside other jobs: see BENCHMARKS.md.
 # On a CUDA machine (SGLANG_PLATFORM empty): per attention backend identity at keep 1.0,
@@ -43,7 +44,7 @@ gpu-check: setup
 
 bench: setup
 	$(PY) -m benchmarks.perf --out runs/perf.json
-	$(PY) -m benchmarks.serving_client --out runs/serving-client.json
+	$(PY) -m benchmarks.serving_client --rounds 3 --out runs/serving-client.json
 	$(PY) -m benchmarks.bench_policy --reps 2 --dtype bf16
 
 # Quality vs keep ratio: the transformers reference on 40 items per setting, then
