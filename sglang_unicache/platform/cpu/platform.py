@@ -11,6 +11,7 @@ from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
 from sglang_unicache.platform.cpu import (
     default_max_total_tokens,
+    extend_attention,
     hicache,
     malloc,
     threads_bind,
@@ -59,6 +60,9 @@ class UniCacheCpuPlatform(CpuDeviceMixin, SRTPlatform):
         malloc.install()
         hicache.install()
         vision.install()
+        if extend_attention.install():
+            logger.info("unicache_cpu: prefill attention computes the new rows only (%s)",
+                        extend_attention.ENV)
 
     @staticmethod
     def _bind_threads(server_args) -> None:
