@@ -19,9 +19,10 @@ spin a core at 100%; so would the data-parallel controller, which the plugin's
 ``dp_idle.py`` makes block on its socket when that flag is on).
 
 Each worker's vision tower attends one image at a time (``vision.py``: SGLang's CPU path
-masks a whole prefill batch as one sequence), HiCache gets its CPU pieces (``hicache.py``), and
+masks a whole prefill batch as one sequence), HiCache gets its CPU pieces (``hicache.py``),
 glibc keeps freed memory for the next tensor instead of page-faulting it in again
-(``malloc.py``).
+(``malloc.py``), and with ``UNICACHE_CPU_EXTEND_ROWS=1`` a prefill after a cached prefix attends
+over its new rows only (``extend_attention.py``).
 
 With more ranks (``dp x tp x pp``) than NUMA nodes and no ``SGLANG_CPU_OMP_THREADS_BIND``,
 SGLang refuses to start; the platform then sets that variable, splitting this process's CPUs
