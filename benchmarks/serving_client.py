@@ -15,7 +15,7 @@ fp32 where the CPU has no native bf16 matrix multiply (AVX2 only: bf16 GEMMs run
 than fp32 there, and the servers are then bound by that emulation, not by their KV).
 ``--rounds N`` runs the whole sequence of servers N times, stock first in each round, and adds a
 summary: each plugin server's median ratio to the same round's stock and the range over the rounds
-(one run's pool-free ratios move by about 0.2 on a shared 2-core machine, more than the targets'
+(one run's pool-free ratios move by up to 0.4 on a shared 2-core machine, more than the targets'
 margins).
 
     python -m benchmarks.serving_client --out runs/serving-client.json
