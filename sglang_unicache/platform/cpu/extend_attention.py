@@ -13,8 +13,10 @@ multi-turn workload at 1,024-token images, py-spy put 59% of the plugin's prefil
 
 ``forward_extend_rows`` computes the ``e`` new rows against the ``p + e`` keys with the causal
 mask offset by ``p`` (row ``i`` sees keys ``0 .. p + i``): the same attention, ``e (p + e)``
-instead of ``(p + e)^2``. A request without a prefix, cross-attention, encoder lengths and
-sliding windows go to SGLang's own code. It applies to stock SGLang on this platform as well.
+instead of ``(p + e)^2``: one layer of the workload model (4 heads of 128, 2 KV heads, fp32, one
+thread), 40 new tokens after 1,100 cached ones, 27.7 ms in SGLang's code and 2.6 ms here. A
+request without a prefix, cross-attention, encoder lengths and sliding windows go to SGLang's own
+code. It applies to stock SGLang on this platform as well.
 
 Off by default: ``UNICACHE_CPU_EXTEND_ROWS=1`` installs it (the rows differ from SGLang's in the
 last bits: another SDPA path).
