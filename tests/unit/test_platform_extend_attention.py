@@ -8,6 +8,8 @@ import torch
 from sglang_unicache.platform.cpu import extend_attention
 
 backend = pytest.importorskip("sglang.srt.layers.attention.torch_native_backend")
+# SGLang's code even where the platform has installed the new rows in this process
+SGLANG = extend_attention.sglang_extend(backend.TorchNativeAttnBackend)
 HEADS, KV_HEADS, DIM = 4, 2, 16
 
 
@@ -36,18 +38,13 @@ class _Backend:
     """A backend whose SGLang original (for the fallbacks) is SGLang's own code."""
 
 
-setattr(_Backend, extend_attention._ORIGINAL,
-        backend.TorchNativeAttnBackend._run_sdpa_forward_extend)
+setattr(_Backend, extend_attention._ORIGINAL, SGLANG)
 
 
 def _run(fn, query, args):
     output = torch.full_like(query, float("nan"))
     fn(_Backend(), query, output, **args)
     return output
-
-
-def _ours(self, query, output, **args):
-    return extend_attention.forward_extend_rows(self, query, output, **args)
 
 
 def test_offset_causal_mask_lets_each_new_row_see_its_prefix_and_itself():
@@ -59,8 +56,8 @@ def test_offset_causal_mask_lets_each_new_row_see_its_prefix_and_itself():
                                               ([1, 2], [40, 9])])
 def test_the_new_rows_are_sglangs_rows(prefixes, extends):
     query, args = _batch(prefixes, extends)
-    ours = _run(_ours, query, args)
-    theirs = _run(backend.TorchNativeAttnBackend._run_sdpa_forward_extend, query, args)
+    ours = _run(extend_attention.forward_extend_rows, query, args)
+    theirs = _run(SGLANG, query, args)
     assert not ours.isnan().any()
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     # no prefix: the same call as SGLang's, the same bits
@@ -78,7 +75,7 @@ def test_without_a_prefix_it_is_sglangs_own_code():
 
     def original(self, *a, **kw):
         calls.append(a)
-        return backend.TorchNativeAttnBackend._run_sdpa_forward_extend(self, *a, **kw)
+        return SGLANG(self, *a, **kw)
 
     setattr(Backend, extend_attention._ORIGINAL, original)
     output = torch.empty_like(query)

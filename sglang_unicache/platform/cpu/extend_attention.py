@@ -34,7 +34,15 @@ ENV = "UNICACHE_CPU_EXTEND_ROWS"
 
 
 def enabled() -> bool:
+    """True when ``UNICACHE_CPU_EXTEND_ROWS`` asks for the new rows."""
     return os.environ.get(ENV, "0") not in ("", "0", "false", "off")
+
+
+def sglang_extend(cls):
+    """SGLang's own ``_run_sdpa_forward_extend`` of ``cls``: the one ``install`` kept aside,
+    else the class's."""
+    original = getattr(cls, _ORIGINAL, None)
+    return original if original is not None else cls._run_sdpa_forward_extend
 
 
 def offset_causal_mask(extend: int, total: int, device) -> torch.Tensor:
@@ -54,7 +62,7 @@ def forward_extend_rows(self, query, output, k_cache, v_cache, req_to_token, req
     if (encoder_lens is not None or is_cross_attn or not causal
             or (sliding_window_size is not None and sliding_window_size > -1)
             or not bool((extend_prefix_lens > 0).any())):
-        return getattr(type(self), _ORIGINAL)(
+        return sglang_extend(type(self))(
             self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
             extend_prefix_lens, extend_seq_lens, encoder_lens, scaling=scaling,
             enable_gqa=enable_gqa, causal=causal, is_cross_attn=is_cross_attn,
@@ -97,4 +105,4 @@ def install() -> bool:
     return True
 
 
-__all__ = ["ENV", "forward_extend_rows", "install", "offset_causal_mask"]
+__all__ = ["ENV", "forward_extend_rows", "install", "offset_causal_mask", "sglang_extend"]
