@@ -74,7 +74,11 @@ Every part ran on the CPU platform (`unicache_cpu`) of a shared 2-core machine w
 absolute times move from run to run, so read the ratios against stock SGLang measured in the same
 run. Which CPU a run drew matters more than the load: where it has no native bf16 matrix multiply
 (AVX2 only, as the stamps from `cpu_kind` say), a bf16 server's GEMMs run about 7x slower than in
-fp32 and every server, stock included, is bound by them. "Defaults as shipped" is `--unicache`
+fp32 and every server, stock included, is bound by them. The platform's prefill attention after a
+cached prefix computes the new rows only (`platform/cpu/extend_attention.py`, as a GPU kernel
+does); a table whose caption does not say so ran SGLang's own `torch_native` extend, which
+recomputes the cached prefix's attention: prefix `UNICACHE_CPU_EXTEND_ROWS=0` to its command to
+reproduce it. "Defaults as shipped" is `--unicache`
 and nothing else (method `unicache`, keep 0.1, the self-check on); wherever a part measured them
 they have their own row. The random-weight models of the performance parts are not the trained
 ones: their attention says nothing about quality, and the self-check escalates on them where it

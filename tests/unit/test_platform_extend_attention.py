@@ -83,8 +83,16 @@ def test_without_a_prefix_it_is_sglangs_own_code():
     assert len(calls) == 1
 
 
-def test_install_is_off_unless_asked(monkeypatch):
-    monkeypatch.delenv(extend_attention.ENV, raising=False)
-    before = backend.TorchNativeAttnBackend._run_sdpa_forward_extend
+def test_installed_by_default_and_kept_off_when_asked(monkeypatch):
+    cls = backend.TorchNativeAttnBackend
+    # SGLang's class as it ships; monkeypatch puts back whatever this process had installed
+    monkeypatch.setattr(cls, "_run_sdpa_forward_extend", SGLANG)
+    monkeypatch.setattr(cls, extend_attention._ORIGINAL, None, raising=False)
+    monkeypatch.setenv(extend_attention.ENV, "0")
     assert extend_attention.install() is False
-    assert backend.TorchNativeAttnBackend._run_sdpa_forward_extend is before
+    assert cls._run_sdpa_forward_extend is SGLANG
+    monkeypatch.delenv(extend_attention.ENV)
+    for _ in range(2):  # idempotent: SGLang's code is kept aside once
+        assert extend_attention.install() is True
+        assert cls._run_sdpa_forward_extend is extend_attention.forward_extend_rows
+        assert extend_attention.sglang_extend(cls) is SGLANG

@@ -21,8 +21,8 @@ spin a core at 100%; so would the data-parallel controller, which the plugin's
 Each worker's vision tower attends one image at a time (``vision.py``: SGLang's CPU path
 masks a whole prefill batch as one sequence), HiCache gets its CPU pieces (``hicache.py``),
 glibc keeps freed memory for the next tensor instead of page-faulting it in again
-(``malloc.py``), and with ``UNICACHE_CPU_EXTEND_ROWS=1`` a prefill after a cached prefix attends
-over its new rows only (``extend_attention.py``).
+(``malloc.py``), and a prefill after a cached prefix attends over its new rows only
+(``extend_attention.py``; ``UNICACHE_CPU_EXTEND_ROWS=0`` keeps SGLang's whole-sequence extend).
 
 With more ranks (``dp x tp x pp``) than NUMA nodes and no ``SGLANG_CPU_OMP_THREADS_BIND``,
 SGLang refuses to start; the platform then sets that variable, splitting this process's CPUs

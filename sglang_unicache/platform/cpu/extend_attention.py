@@ -18,8 +18,8 @@ thread), 40 new tokens after 1,100 cached ones, 27.7 ms in SGLang's code and 2.6
 request without a prefix, cross-attention, encoder lengths and sliding windows go to SGLang's own
 code. It applies to stock SGLang on this platform as well.
 
-Off by default: ``UNICACHE_CPU_EXTEND_ROWS=1`` installs it (the rows differ from SGLang's in the
-last bits: another SDPA path).
+On by default; ``UNICACHE_CPU_EXTEND_ROWS=0`` keeps SGLang's own code (the new rows differ from
+SGLang's in the last bits: another SDPA path).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ ENV = "UNICACHE_CPU_EXTEND_ROWS"
 
 
 def enabled() -> bool:
-    """True when ``UNICACHE_CPU_EXTEND_ROWS`` asks for the new rows."""
-    return os.environ.get(ENV, "0") not in ("", "0", "false", "off")
+    """True unless ``UNICACHE_CPU_EXTEND_ROWS`` is ``0`` (``false``, ``off``, empty)."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("", "0", "false", "off")
 
 
 def sglang_extend(cls):
@@ -92,13 +92,13 @@ def forward_extend_rows(self, query, output, k_cache, v_cache, req_to_token, req
 
 
 def install() -> bool:
-    """Route the backend's extend through ``forward_extend_rows`` when ``UNICACHE_CPU_EXTEND_ROWS``
-    is set (idempotent); True when installed."""
+    """Route the backend's extend through ``forward_extend_rows`` unless
+    ``UNICACHE_CPU_EXTEND_ROWS`` turns it off (idempotent); True when installed."""
     if not enabled():
         return False
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
-    if not hasattr(TorchNativeAttnBackend, _ORIGINAL):
+    if getattr(TorchNativeAttnBackend, _ORIGINAL, None) is None:
         setattr(TorchNativeAttnBackend, _ORIGINAL,
                 TorchNativeAttnBackend._run_sdpa_forward_extend)
         TorchNativeAttnBackend._run_sdpa_forward_extend = forward_extend_rows
