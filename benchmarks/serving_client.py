@@ -7,7 +7,13 @@ Qwen2-VL (hidden 512, 8 layers; 448 px = 256 visual tokens an image). Two worklo
 free (SGLang's own pool size) and the pool bound (``--max-total-tokens`` holding about five
 requests' image KV). Each row adds what the plugin did (``/server_info``): images compressed,
 escalations, fallbacks, recalls. The client's images are random noise, so every image is new:
-nothing is reused, and the rows measure the plugin's cost on the way to memory savings.
+nothing is reused, and the rows measure the plugin's cost on the way to memory savings. The
+third workload is the reuse case through the same client: the multi-turn image chats of
+``perf.py --parts workload`` (48 conversations of 3 turns over 24 images drawn with Zipf
+popularity, 8 at a time, 16 output tokens a turn, a pool of about 6 uncompressed prompts) written
+as a trace for the client's ``agentic-trace`` dataset (``image_trace``): the client replays each
+conversation turn by turn and sends the server's own answers back as the history, so later turns
+and other conversations about the same image reuse its span.
 ``--profile`` samples each scheduler with py-spy during the client's run and adds its phase shares
 (``scheduler_phases.py``) to the row (the sampling slows the server: time it without).
 ``--server-args`` adds flags to every server, stock included: ``--dtype float32`` computes in
@@ -22,6 +28,7 @@ margins).
     python -m benchmarks.serving_client --server-args="--dtype float32" --out runs/sc-fp32.json
     python -m benchmarks.serving_client --profile --workloads "pool free" --out runs/sc-prof.json
     python -m benchmarks.serving_client --rounds 5 --workloads "pool free" --out runs/sc-5.json
+    python -m benchmarks.serving_client --workloads multi-turn --out runs/sc-multi-turn.json
 """
 
 from __future__ import annotations
@@ -37,22 +44,47 @@ from pathlib import Path
 
 from benchmarks import scheduler_phases
 from benchmarks.perf import SHIPPED, WORKLOAD_MODEL, flags_for, print_table
+from benchmarks.perf_workload import QUESTIONS, picture, popular_images, workload_pool
 from tests.support.client import flush_cache, internal_state
+from tests.support.images import image_chat
 from tests.support.server import cpu_env, start_server
 from tests.support.tiny_vlm import build_tiny_qwen2_vl
 
-WORKLOADS = {
-    "pool free: 24 prompts, concurrency 8, 64 out": {
-        "client": ["--num-prompts", "24", "--max-concurrency", "8", "--random-output-len", "64"],
-        "server": []},
-    "pool binds: 32 prompts, concurrency 16, 128 out, --max-total-tokens 3000": {
-        "client": ["--num-prompts", "32", "--max-concurrency", "16", "--random-output-len",
-                   "128"],
-        "server": ["--max-total-tokens", "3000"]},
-}
 IMAGE = ["--dataset-name", "image", "--image-count", "2", "--image-resolution", "448x448",
          "--random-input-len", "32", "--random-range-ratio", "1.0"]
+TRACE = "{trace}"  # stands for the path of ``image_trace``'s file in a workload's client flags
+WORKLOADS = {
+    "pool free: 24 prompts, concurrency 8, 64 out": {
+        "client": [*IMAGE, "--num-prompts", "24", "--max-concurrency", "8",
+                   "--random-output-len", "64"],
+        "server": []},
+    "pool binds: 32 prompts, concurrency 16, 128 out, --max-total-tokens 3000": {
+        "client": [*IMAGE, "--num-prompts", "32", "--max-concurrency", "16",
+                   "--random-output-len", "128"],
+        "server": ["--max-total-tokens", "3000"]},
+    f"multi-turn: 48 conversations x 3 turns over 24 images, concurrency 8, 16 out, "
+    f"--max-total-tokens {workload_pool(448)}": {
+        "client": ["--dataset-name", "agentic-trace", "--dataset-path", TRACE,
+                   "--num-prompts", "48", "--max-concurrency", "8", "--sharegpt-output-len",
+                   "16"],
+        "server": ["--max-total-tokens", str(workload_pool(448))]},
+}
 PLUGIN_KEYS = ("images_compressed", "escalations", "fallbacks", "spans_recalled")
+
+
+def image_trace(path: Path, *, images: int = 24, conversations: int = 48, turns: int = 3,
+                zipf: float = 1.1, image_px: int = 448, seed: int = 0) -> Path:
+    """Write the multi-turn workload's draw (``perf_workload.workload``: the same images, Zipf
+    popularity and questions) as SGLang's ``agentic-trace`` file: one conversation a row, its
+    first turn the image and a question, each later turn the next question."""
+    rows = []
+    for i in popular_images(images, conversations, zipf, seed):
+        first = image_chat(picture(i, image_px), QUESTIONS[0])["messages"]
+        later = [[{"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]}]
+                 for t in range(1, turns)]
+        rows.append([{"messages": messages} for messages in (first, *later)])
+    path.write_text(json.dumps({"conversations": rows}))
+    return path
 
 
 def servers(config: Path) -> dict[str, list[str]]:
@@ -63,10 +95,15 @@ def servers(config: Path) -> dict[str, list[str]]:
 
 
 def run_client(server, model: Path, workload: list[str], out: Path) -> dict:
-    """One ``sglang.benchmark.serving`` run against ``server``: its summary line."""
+    """One ``sglang.benchmark.serving`` run against ``server``: its summary line. ``TRACE`` in
+    ``workload`` is replaced by a trace file written next to ``out``."""
+    trace = out.with_suffix(".trace.json")
+    if TRACE in workload:
+        image_trace(trace)
+    workload = [str(trace) if arg == TRACE else arg for arg in workload]
     command = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang-oai-chat",
                "--host", "127.0.0.1", "--port", str(server.port), "--model", str(model),
-               "--tokenizer", str(model), *IMAGE, *workload, "--output-file", str(out),
+               "--tokenizer", str(model), *workload, "--output-file", str(out),
                "--disable-tqdm", "--seed", "1"]
     subprocess.run(command, check=True, env=cpu_env(), capture_output=True, text=True,
                    timeout=1200)
@@ -148,7 +185,7 @@ def _round(model: Path, config: Path, log_dir: Path, workload: str, parts: dict,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint (default: a random Qwen2-VL, WORKLOAD_MODEL)")
-    parser.add_argument("--workloads", default="pool free,pool binds",
+    parser.add_argument("--workloads", default="pool free,pool binds,multi-turn",
                         help="comma-separated: the workloads whose name holds one of these")
     parser.add_argument("--profile", action="store_true",
                         help="py-spy each scheduler during the client's run (phase shares)")

@@ -1,7 +1,11 @@
 """The client benchmark's summary over rounds: each plugin server's median ratio to its own
-round's stock and the range, so one noisy run does not decide a target."""
+round's stock and the range, so one noisy run does not decide a target; the multi-turn workload's
+trace is one SGLang's client loads and replays as conversations."""
 
-from benchmarks.serving_client import summary
+import pytest
+
+from benchmarks.perf_workload import QUESTIONS, popular_images
+from benchmarks.serving_client import image_trace, summary
 
 
 def _row(workload, server, r, tok, tpot, ttft):
@@ -26,3 +30,22 @@ def test_the_summary_is_the_median_and_range_of_each_rounds_ratio():
     assert got[0]["tpot_vs_stock"] == "1.01x (0.79-1.05)"
     assert got[1]["tpot_vs_stock"] == "0.81x (0.59-0.85)"
     assert got[2]["ttft_vs_stock"] == "0.40x (0.40-0.40)"
+
+
+def test_the_multi_turn_trace_is_one_sglang_replays_turn_by_turn(tmp_path):
+    datasets = pytest.importorskip("sglang.benchmark.datasets.agentic_trace")
+    serving = pytest.importorskip("sglang.benchmark.serving")
+    path = image_trace(tmp_path / "trace.json", conversations=6, turns=3)
+    rows = datasets.AgenticTraceDataset(dataset_path=str(path), num_requests=6,
+                                        fixed_output_len=16, offset=0,
+                                        max_turns=None).load(tokenizer=None)
+    assert len(rows) == 6 and all(len(row.prompt) == 3 for row in rows)
+    # what the client tests before it replays rows round by round, the answers fed back
+    assert serving._normalize_round_messages(rows[0].prompt[0]) is not None
+    first = rows[0].prompt[0][0]["content"]
+    assert first[0]["type"] == "image_url" and first[1]["text"] == QUESTIONS[0]
+    assert [r.prompt[1][0]["content"] for r in rows] == [QUESTIONS[1]] * 6
+    # the workload's draw: conversations about the same image send the same image
+    urls = [row.prompt[0][0]["content"][0]["image_url"]["url"] for row in rows]
+    picks = popular_images(24, 6, 1.1, 0)
+    assert [urls.index(u) for u in urls] == [picks.index(p) for p in picks]
