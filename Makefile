@@ -33,7 +33,8 @@ format: setup
 # timed one by one, not as a whole: the decode part 10 min, capacity over 400 images on two
 # models 22 min, capacity with HiCache ~20 min, the workload on a larger model 8 min.
 # serving_client.py (SGLang's own benchmark client against stock and each config, three
-# rounds: the verdict is their median) ~37 min with --dtype float32, longer in bf16.
+# rounds: the verdict is their median): its two image-dataset workloads ~37 min with --dtype
+# float32, the multi-turn one ~15 min more; longer in bf16.
 # Results: runs/perf.json, runs/serving-client.json, logs runs/perf-logs.
 # Do not run it beside other jobs: see BENCHMARKS.md.
 # On a CUDA machine (SGLANG_PLATFORM empty): per attention backend identity at keep 1.0,
