@@ -53,6 +53,7 @@ from tests.support.tiny_vlm import build_tiny_qwen2_vl
 IMAGE = ["--dataset-name", "image", "--image-count", "2", "--image-resolution", "448x448",
          "--random-input-len", "32", "--random-range-ratio", "1.0"]
 TRACE = "{trace}"  # stands for the path of ``image_trace``'s file in a workload's client flags
+MULTI_TURN_POOL = workload_pool(448)  # about 6 uncompressed prompts of 256 image tokens
 WORKLOADS = {
     "pool free: 24 prompts, concurrency 8, 64 out": {
         "client": [*IMAGE, "--num-prompts", "24", "--max-concurrency", "8",
@@ -63,11 +64,11 @@ WORKLOADS = {
                    "--random-output-len", "128"],
         "server": ["--max-total-tokens", "3000"]},
     f"multi-turn: 48 conversations x 3 turns over 24 images, concurrency 8, 16 out, "
-    f"--max-total-tokens {workload_pool(448)}": {
+    f"--max-total-tokens {MULTI_TURN_POOL}": {
         "client": ["--dataset-name", "agentic-trace", "--dataset-path", TRACE,
                    "--num-prompts", "48", "--max-concurrency", "8", "--sharegpt-output-len",
                    "16"],
-        "server": ["--max-total-tokens", str(workload_pool(448))]},
+        "server": ["--max-total-tokens", str(MULTI_TURN_POOL)]},
 }
 PLUGIN_KEYS = ("images_compressed", "escalations", "fallbacks", "spans_recalled")
 
@@ -95,12 +96,7 @@ def servers(config: Path) -> dict[str, list[str]]:
 
 
 def run_client(server, model: Path, workload: list[str], out: Path) -> dict:
-    """One ``sglang.benchmark.serving`` run against ``server``: its summary line. ``TRACE`` in
-    ``workload`` is replaced by a trace file written next to ``out``."""
-    trace = out.with_suffix(".trace.json")
-    if TRACE in workload:
-        image_trace(trace)
-    workload = [str(trace) if arg == TRACE else arg for arg in workload]
+    """One ``sglang.benchmark.serving`` run against ``server``: its summary line."""
     command = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang-oai-chat",
                "--host", "127.0.0.1", "--port", str(server.port), "--model", str(model),
                "--tokenizer", str(model), *workload, "--output-file", str(out),
@@ -113,9 +109,14 @@ def run_client(server, model: Path, workload: list[str], out: Path) -> dict:
 def measure(model: Path, config: Path, log_dir: Path, workloads: list[str],
             profile: bool = False, extra: tuple[str, ...] = (), rounds: int = 1) -> list[dict]:
     rows = []
+    trace = None
     for workload, parts in WORKLOADS.items():
         if not any(w in workload for w in workloads):
             continue
+        if TRACE in parts["client"]:  # one trace file for every server and round
+            trace = trace or image_trace(log_dir / "serving-client.trace.json")
+            parts = {**parts, "client": [str(trace) if arg == TRACE else arg
+                                         for arg in parts["client"]]}
         for r in range(rounds):
             for row in _round(model, config, log_dir, workload, parts, profile, extra,
                               len(rows)):
