@@ -11,7 +11,8 @@ estimated.
    ``capacity-hicache``: with HiCache's host tier, whose resident spans count).
 5. overhead: time from prefill end to compressed cache (score capture + policy + compaction) as a
    share of the prefill forward, per method; ``overhead-large`` the same on ``WORKLOAD_MODEL``
-   with ``--overhead-images`` images of ``--image-px`` per request (2 x 256 or 4 x 1,024 tokens).
+   with ``--overhead-images`` images of ``--image-px`` per request (2 x 256 or 4 x 1,024 tokens),
+   or on ``LM_2B_MODEL`` with ``--overhead-model 2b``.
 
 3, 4 and 6 (workload, decode, concurrency: the serving workload) are in ``perf_workload.py``;
 ``workload-large`` runs part 3 on a model where prefill costs (``WORKLOAD_MODEL``); ``recall``
@@ -58,6 +59,11 @@ STREAMING_MODEL = {"hidden": 512, "layers": 8, "image_size": 896, "context": 204
 # on the streaming part's width and depth, so a turn's image prefill is seconds on this CPU, far
 # more than the request's fixed path (HTTP, template, image processor), as on a real model.
 WORKLOAD_MODEL = {"hidden": 512, "layers": 8, "image_size": IMAGE_SIZE, "context": 8192}
+# The overhead part's other model: Qwen2-VL-2B's language model (hidden 1,536, 28 layers, 12 query
+# heads over 2 KV heads of 128, MLP 8,960; random weights) under the tiny vision tower, so the
+# compression is measured against the prefill of a language model of a served size.
+LM_2B_MODEL = {"hidden": 1536, "layers": 28, "heads": 12, "intermediate": 8960,
+               "context": 8192}
 
 
 def image(i: int, size: int = IMAGE_SIZE) -> bytes:
@@ -317,6 +323,10 @@ def main() -> None:
                              "1,024); the pool scales with it (perf_workload.workload_pool)")
     parser.add_argument("--overhead-images", type=int, default=2,
                         help="overhead-large: images per request")
+    parser.add_argument("--overhead-model", choices=("workload", "2b"), default="workload",
+                        help="overhead-large: WORKLOAD_MODEL or LM_2B_MODEL")
+    parser.add_argument("--overhead-requests", type=int, default=6,
+                        help="overhead parts: requests per server after the warm-up")
     parser.add_argument("--decode-batch", type=int, default=8, help="decode: concurrent requests")
     parser.add_argument("--max-batch", type=int, default=64, help="concurrency: largest b tried")
     parser.add_argument("--workload-model", help="checkpoint of the workload-large part "
@@ -363,13 +373,16 @@ def main() -> None:
             model, config, 0.1, args.stream, log_dir,
             servers=only_rows(hicache_servers(model, config, 0.1), args.rows))
     if "overhead" in parts:
-        results["overhead"] = overhead(model, config, args.methods.split(","), 0.1, log_dir)
+        results["overhead"] = overhead(model, config, args.methods.split(","), 0.1, log_dir,
+                                       requests=args.overhead_requests)
     if "overhead-large" in parts:
+        shape = WORKLOAD_MODEL if args.overhead_model == "workload" else LM_2B_MODEL
         large = Path(args.workload_model) if args.workload_model else build_tiny_qwen2_vl(
-            work / f"tiny-qwen2-vl-workload-{args.image_px}",
-            **{**WORKLOAD_MODEL, "image_size": args.image_px})
+            work / f"tiny-qwen2-vl-{args.overhead_model}-{args.image_px}",
+            **{**shape, "image_size": args.image_px})
         results["overhead-large"] = overhead(large, config, args.methods.split(","), 0.1,
-                                             log_dir, images=args.overhead_images,
+                                             log_dir, requests=args.overhead_requests,
+                                             images=args.overhead_images,
                                              size=args.image_px, extra=extra)
     servers = {"stock": flags_for(None, 0.1, config) + extra,
                f"unicache {args.method} keep 0.1": flags_for(args.method, 0.1, config) + extra}

@@ -113,7 +113,7 @@ IMAGE_TOKEN_CHAT_TEMPLATE = (
 
 def build_config(tokenizer, *, hidden: int = 64, layers: int = 2, vision_dim: int = 32,
                  heads: int = 4, kv_heads: int = 2, vision_depth: int = 2,
-                 vision_heads: int = 2, context: int = 4096):
+                 vision_heads: int = 2, context: int = 4096, intermediate: int | None = None):
     from transformers import Qwen2VLConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
@@ -123,7 +123,7 @@ def build_config(tokenizer, *, hidden: int = 64, layers: int = 2, vision_dim: in
     text = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
-        intermediate_size=2 * hidden,
+        intermediate_size=intermediate or 2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
@@ -302,8 +302,11 @@ def _patch_config_json(path: Path, *, text_keys: dict, architecture: str) -> Non
 
 
 def build_tiny_qwen2_vl(out_dir: str | Path, *, image_size: int = 224, seed: int = 0,
-                        hidden: int = 64, layers: int = 2, context: int = 4096) -> Path:
+                        hidden: int = 64, layers: int = 2, context: int = 4096,
+                        heads: int = 4, intermediate: int | None = None) -> Path:
     """Write a complete checkpoint (weights, config, tokenizer, processor) to ``out_dir``.
+    The language model has ``heads`` query heads over 2 KV heads and an MLP of ``intermediate``
+    (default ``2 * hidden``).
 
     ``image_size`` fixes the processor's pixel budget: an ``image_size`` square image gives
     ``(image_size / 28) ** 2`` visual tokens (224 -> 64, 448 -> 256).
@@ -313,7 +316,8 @@ def build_tiny_qwen2_vl(out_dir: str | Path, *, image_size: int = 224, seed: int
 
     out = Path(out_dir)
     tokenizer = build_tokenizer()
-    config = build_config(tokenizer, hidden=hidden, layers=layers, context=context)
+    config = build_config(tokenizer, hidden=hidden, layers=layers, context=context, heads=heads,
+                          intermediate=intermediate)
     torch.manual_seed(seed)
     model = Qwen2VLForConditionalGeneration(config).to(torch.bfloat16)
     return save_checkpoint(model, tokenizer, out, image_size=image_size)
