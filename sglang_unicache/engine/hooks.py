@@ -127,6 +127,7 @@ def around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kw
     if controller is None or not batch.forward_mode.is_extend():
         return original(scheduler, batch, *args, **kwargs)
     STATE.capture = controller.begin_forward(batch)
+    timed = controller.prefills_for_compression()
     start = time.perf_counter()
     try:
         result = original(scheduler, batch, *args, **kwargs)
@@ -134,8 +135,9 @@ def around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kw
             STATE.overlap.compresses(result)
         return result
     finally:
-        if STATE.capture is not None:
+        if timed:
             controller.stats.prefill_seconds += time.perf_counter() - start
+            controller.stats.prefill_tokens += sum(batch.extend_lens)
         STATE.capture = None
 
 

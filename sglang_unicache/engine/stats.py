@@ -25,7 +25,11 @@ class Stats:
     recall_lost: int = 0  # recalls whose copy or room was gone at admission: prefilled instead
     images_prefilled: int = 0  # image spans a prefill computed (SGLang encodes exactly these)
     compress_seconds: float = 0.0  # policy + compaction, summed (benchmarks read it)
-    prefill_seconds: float = 0.0  # forwards of extend batches that had targets, summed
+    # The forwards of extend batches with a request that compresses at this chunk or a later one
+    # (every chunk of a chunked prompt), summed, and the tokens they prefilled: what
+    # compress_seconds is read against.
+    prefill_seconds: float = 0.0
+    prefill_tokens: int = 0
 
     def to_dict(self) -> dict[str, float]:
         return dict(self.__dict__)

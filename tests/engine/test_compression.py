@@ -205,6 +205,9 @@ def test_image_split_across_prefill_chunks_is_compressed(server_factory, nocheck
     after = internal_state(server)["unicache"]
     assert after["images_compressed"] == before["images_compressed"] + 1
     assert after["slots_freed"] - before["slots_freed"] == IMAGE_TOKENS - KEPT
+    # The prefill time compression is read against covers every chunk, not the last alone.
+    prompt = out["usage"]["prompt_tokens"]
+    assert after["prefill_tokens"] - before["prefill_tokens"] == prompt
     again = chat(server, image_chat(solid_png((5, 150, 90)), "describe it", max_tokens=4))
     assert internal_state(server)["unicache"]["spans_reused"] == after["spans_reused"] + 1
     # Usage counts the reused image as the user sent it (N tokens), not its K entries.
