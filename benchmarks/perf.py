@@ -285,12 +285,13 @@ def overhead(model: Path, config: Path, methods: list[str], ratio: float, log_di
                     before = internal_state(server)["unicache"]
             after = internal_state(server)["unicache"]
             stats = {key: after[key] - before[key]
-                     for key in ("prefill_seconds", "compress_seconds", "images_compressed",
-                                 "escalations", "fallbacks")}
+                     for key in ("prefill_seconds", "prefill_tokens", "compress_seconds",
+                                 "images_compressed", "escalations", "fallbacks")}
         finally:
             server.stop()
         rows.append({"method": method, "keep_ratio": ratio, "images": images,
                      "image_tokens": (size // 28) ** 2,
+                     "prefill_tokens": stats["prefill_tokens"] // requests,
                      "prefill_ms": round(1000 * stats["prefill_seconds"] / requests, 1),
                      "compress_ms": round(1000 * stats["compress_seconds"] / requests, 1),
                      "overhead_share": round(stats["compress_seconds"]
