@@ -155,9 +155,7 @@ class Controller:
         return self.targets.defer_chunk_checkpoint(req)
 
     def prefills_for_compression(self) -> bool:
-        """Whether the extend batch ``begin_forward`` just saw prefills a prompt that compresses:
-        at this chunk (a target) or at a later one (a middle chunk, kept out of the tree)."""
-        return self.targets.capture is not None or bool(self.targets.deferred)
+        return self.targets.prefills_for_compression()
 
     def compresses(self, req) -> bool:
         """Whether ``req``'s checkpoint compresses (it is a target of the batch in flight)."""

@@ -129,6 +129,11 @@ class Targets:
         the last chunk is compressed."""
         return req.rid in self.deferred
 
+    def prefills_for_compression(self) -> bool:
+        """Whether the extend batch ``begin_forward`` just saw prefills a prompt that compresses:
+        at this chunk (a target) or at a later one (a middle chunk, kept out of the tree)."""
+        return self.capture is not None or bool(self.deferred)
+
     def is_target(self, req) -> bool:
         """Whether ``req`` compresses at its checkpoint (``take`` would give its targets)."""
         return req.rid in self.pending and self.capture is not None
