@@ -20,11 +20,11 @@ from sglang_unicache.policy.heads import apply_head_merge, plan_head_merge
 from sglang_unicache.policy.inputs import ImageSpan, ScoreInputs
 from sglang_unicache.policy.kernels import window_colsum, window_lse
 from sglang_unicache.policy.kernels.reference import (
+    WINDOW_SIGNALS,
     causal_logits,
     colsum_from_logits,
-    colsum_from_probs,
     lse_from_logits,
-    probs_from_logits,
+    window_signals,
 )
 from sglang_unicache.policy.ranks import ONE_RANK, HeadShards
 
@@ -56,7 +56,6 @@ class PlanContext:
     shards: HeadShards = ONE_RANK
     _cache: dict[tuple[str, int], Any] = field(default_factory=dict, init=False, repr=False)
     _logits: dict[int, Tensor] = field(default_factory=dict, init=False, repr=False)
-    _probs: dict[int, Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         inp = self.inputs
@@ -100,6 +99,10 @@ class PlanContext:
         if key not in self._cache:
             self._cache[key] = fn()
         return self._cache[key]
+
+    def has(self, name: str, layer: int) -> bool:
+        """Whether ``cached(name, layer, ...)`` is already computed."""
+        return (name, layer) in self._cache
 
     def store(self, name: str, layer: int, value) -> None:
         """Keep a signal computed elsewhere (``policy/stacked.py``: several layers at once) as
@@ -209,53 +212,39 @@ class PlanContext:
     def group(self) -> int:
         return self.inputs.obs_queries[0].shape[1] // self.inputs.num_kv_heads
 
-    def probs(self, layer: int) -> Tensor | None:
-        """Softmax probabilities ``[H, G, W, T]`` of the observation queries over all visible keys,
-        kept for the latest layer only (``received`` and ``received_from_text`` both read them);
-        None when the logits are not kept (``logits``)."""
-        lg = self.logits(layer)
-        if lg is None:
-            return None
-        if layer not in self._probs:
-            self._probs.clear()
-            self._probs[layer] = probs_from_logits(lg, self.lse(layer))
-        return self._probs[layer]
-
-    def _colsum_all(self, layer: int, row_weight: Tensor | None) -> Tensor:
-        """``[H, T]`` attention received over all visible keys, queries weighted by
-        ``row_weight``."""
-        p = self.probs(layer)
-        if p is None:
-            return self.window_colsum(layer, self.lse(layer), row_weight=row_weight)
-        return colsum_from_probs(p, row_weight=row_weight)
+    def _window(self, layer: int, name: str, chunked) -> Tensor:
+        """The window signal ``name`` of the layer: with its logits kept, every scorer signal
+        at once (``window_signals``: ``received``, ``received_text``, ``visual_share``);
+        otherwise ``chunked()``, chunk by chunk over the keys."""
+        if (name, layer) not in self._cache:
+            lg = self.logits(layer)
+            if lg is None:
+                self._cache[(name, layer)] = chunked()
+            else:
+                signals_ = window_signals(lg, self.is_visual, self.query_is_text)
+                for n, value in zip(WINDOW_SIGNALS, signals_, strict=True):
+                    self._cache[(n, layer)] = value
+        return self._cache[(name, layer)]
 
     def received(self, layer: int) -> Tensor:
         """Mean attention each key receives from the W observation queries (and group heads)."""
-        return self.cached(
-            "received",
-            layer,
-            lambda: self._colsum_all(layer, None) / (self.obs_positions.numel() * self.group),
-        )
+        return self._window(layer, "received", lambda: self.window_colsum(
+            layer, self.lse(layer)) / (self.obs_positions.numel() * self.group))
 
     def received_from_text(self, layer: int) -> Tensor:
         """Mean attention each key receives from the observation queries that are text tokens."""
 
-        def fn() -> Tensor:
+        def chunked() -> Tensor:
             rw = self.query_is_text.float()
-            out = self._colsum_all(layer, rw)
+            out = self.window_colsum(layer, self.lse(layer), row_weight=rw)
             return out / (rw.sum().clamp_min(1.0) * self.group)
 
-        return self.cached("received_text", layer, fn)
+        return self._window(layer, "received_text", chunked)
 
     def visual_share(self, layer: int) -> Tensor:
         """``[H, W]``: fraction of each observation query's attention that lands on image tokens."""
-        return self.cached(
-            "visual_share",
-            layer,
-            lambda: (
-                torch.exp(self.lse(layer, "visual") - self.lse(layer)).nan_to_num(0.0).mean(dim=1)
-            ),
-        )
+        return self._window(layer, "visual_share", lambda: torch.exp(
+            self.lse(layer, "visual") - self.lse(layer)).nan_to_num(0.0).mean(dim=1))
 
     # -- question-independent signals ----------------------------------------------------------
     def redundancy(self, layer: int) -> Tensor:

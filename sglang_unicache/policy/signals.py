@@ -2,7 +2,7 @@
 positions.
 
 All take and return fp32 tensors; none loops over tokens or heads in Python (loops are over the
-neighbour offsets 1..k, and over blocks of rows in ``raster_redundancy``).
+neighbour offsets 1..k).
 """
 
 from __future__ import annotations
@@ -45,8 +45,13 @@ def unit_kv_norms(keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
     """(``unit_kv``, ``[T, H, 2]`` the L2 norms of each key and value); keys and values
     ``[..., T, H, D]`` (layers stacked in front give each layer's numbers). One fp32 buffer
     normalised in place: the same numbers as ``F.normalize`` of K and V apart, concatenated."""
-    x = torch.cat([keys, values], -1).float()
-    halves = x.view(*keys.shape[:-1], 2, keys.shape[-1])
+    return normalize_kv_(torch.cat([keys, values], -1).float())
+
+
+def normalize_kv_(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``unit_kv_norms`` of ``x = [K | V]`` ``[..., 2D]`` fp32, normalised in place (a caller
+    that already holds K and V side by side spares the concatenation)."""
+    halves = x.view(*x.shape[:-1], 2, x.shape[-1] // 2)
     norms = halves.norm(dim=-1, keepdim=True)
     halves.div_(norms.clamp_min(1e-12))
     return x.div_(2**0.5), norms.squeeze(-1)
@@ -62,23 +67,16 @@ def neighbour_redundancy(keys: Tensor, values: Tensor, run_id: Tensor, k: int) -
     return raster_redundancy(unit_kv(keys, values), run_id, k)
 
 
-def raster_redundancy(x: Tensor, run_id: Tensor, k: int, rows: int = 1024) -> Tensor:
+def raster_redundancy(x: Tensor, run_id: Tensor, k: int) -> Tensor:
     """``neighbour_redundancy`` of ``x = unit_kv(keys, values)`` ``[..., T, H, 2D]`` (layers
-    stacked in front give each layer's ``[H, T]``). The products of neighbours are reduced
-    about ``rows`` tokens of every layer at a time, so the temporary stays in cache (each row's
-    sum is the same whatever the chunk)."""
+    stacked in front give each layer's ``[H, T]``)."""
     lead, (t, h, _) = x.shape[:-3], x.shape[-3:]
     x = x.reshape(-1, *x.shape[-3:])  # [L', T, H, 2D]
-    rows = max(64, rows // x.shape[0])
     total = torch.zeros(x.shape[0], t, h, device=x.device)
     count = torch.zeros(t, 1, device=x.device)
     for off in range(1, min(k, t - 1) + 1):
         same = (run_id[off:] == run_id[:-off]).float().unsqueeze(-1)  # [T-off, 1]
-        sim = torch.empty(x.shape[0], t - off, h, device=x.device)
-        for a in range(0, t - off, rows):
-            b = min(t - off, a + rows)
-            sim[:, a:b] = torch.sum(x[:, off + a : off + b] * x[:, a:b], -1)
-        sim *= same  # [L', T-off, H]
+        sim = torch.linalg.vecdot(x[:, off:], x[:, :-off]) * same  # [L', T-off, H]
         total[:, off:] += sim
         total[:, :-off] += sim
         count[off:] += same
@@ -102,13 +100,13 @@ def patch_grid_redundancy(x: Tensor, cols: int, k: int) -> Tensor:
     count = torch.zeros(n // cols, cols, 1, device=x.device)
     for off in range(1, k + 1):
         if off < cols:  # same row
-            sim = (x[:, off:] * x[:, :-off]).sum(-1)
+            sim = torch.linalg.vecdot(x[:, off:], x[:, :-off])
             total[:, off:] += sim
             total[:, :-off] += sim
             count[:, off:] += 1
             count[:, :-off] += 1
         if off < n // cols:  # same column
-            sim = (x[off:] * x[:-off]).sum(-1)
+            sim = torch.linalg.vecdot(x[off:], x[:-off])
             total[off:] += sim
             total[:-off] += sim
             count[off:] += 1

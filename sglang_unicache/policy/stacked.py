@@ -4,8 +4,10 @@
 tokens on an 8-layer model) costs about a thousand small tensor operations that way, each a
 few microseconds of dispatch on a CPU and a kernel launch on a GPU; most of the plan's time.
 Here the layers of a group are stacked along a leading dimension and each signal is computed
-once for the group: the window logits of every layer written into one buffer, their
-normalisers, probabilities and column sums, the unit K/V and the neighbour redundancy. Each
+once for the group: the keys and values of every layer side by side in one buffer (normalised
+in place into the unit K/V once the window logits are read from its keys), the window logits
+in one buffer, the neighbour redundancy, the window signals (``window_signals``, which the
+per-layer path calls on one layer's logits). Each
 layer's slice is stored in the context's cache under the name its per-layer method uses, so
 the scorer's combination, the merge reducer, the alignment scores and the self-check read them
 unchanged. The stacked operations are the per-layer ones with a leading dimension: every value
@@ -21,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from sglang_unicache.policy import signals
-from sglang_unicache.policy.kernels.reference import probs_from_logits
+from sglang_unicache.policy.kernels.reference import WINDOW_SIGNALS, window_signals
 
 Tensor = torch.Tensor
 
@@ -47,44 +49,38 @@ def fill(ctx, layers: range) -> dict[str, Tensor]:
     Returns the stacked ``[g, H, T]`` key norms, redundancy, attention received (from every
     observation query and from the text ones) and the ``[g, H, W]`` visual share."""
     inp = ctx.inputs
-    keys, values = _stack(inp.keys, layers), _stack(inp.values, layers)  # [g, T, H, D]
-    x, norms = signals.unit_kv_norms(keys, values)  # [g, T, H, 2D], [g, T, H, 2]
+    x = _stack_kv(inp, layers)  # [g, T, H, 2D] fp32: K | V
+    q = _stack(inp.obs_queries, layers)  # [g, W, Hq, D]
+    logits = _stacked_logits(q, x[..., : inp.head_dim], inp.scale, ctx.obs_positions)
+    x, norms = signals.normalize_kv_(x)  # the unit K/V, in place, once the logits are read
     key_norm = norms[..., 0].transpose(1, 2).contiguous()
     redundancy = signals.raster_redundancy(x, ctx.run_id, ctx.redundancy_window)
-    q = _stack(inp.obs_queries, layers)  # [g, W, Hq, D]
-    logits = _stacked_logits(q, keys, inp.scale, ctx.obs_positions)  # [g, H, G, W, T]
-    lse_all = torch.logsumexp(logits, dim=-1)
-    vis = ctx.is_visual.view(1, 1, 1, 1, -1)
-    lse_vis = torch.logsumexp(logits.masked_fill(~vis, float("-inf")), dim=-1)
-    p = probs_from_logits(logits, lse_all)
-    g, w = ctx.group, ctx.obs_positions.numel()
-    received = p.sum(dim=(2, 3)) / (w * g)
-    rw = ctx.query_is_text.float()
-    received_text = (p * rw.view(1, 1, 1, -1, 1)).sum(dim=(2, 3)) / (rw.sum().clamp_min(1.0) * g)
-    share = torch.exp(lse_vis - lse_all).nan_to_num(0.0).mean(dim=2)
+    window = window_signals(logits, ctx.is_visual, ctx.query_is_text)
+    named = {"unit_kv": x, "key_norm": key_norm, "redundancy": redundancy,
+             **dict(zip(WINDOW_SIGNALS, window, strict=True))}
     for i, li in enumerate(layers):
-        for name, value in (("unit_kv", x[i]), ("key_norm", key_norm[i]),
-                            ("redundancy", redundancy[i]), ("lse_all", lse_all[i]),
-                            ("lse_visual", lse_vis[i]), ("received", received[i]),
-                            ("received_text", received_text[i]), ("visual_share", share[i])):
-            ctx.store(name, li, value)
+        for name, value in named.items():
+            ctx.store(name, li, value[i])
     for li in layers[-2:]:  # the context keeps the logits of the two latest layers
         ctx.keep_logits(li, logits[li - layers.start].clone())
-    return {"key_norm": key_norm, "redundancy": redundancy, "received": received,
-            "received_text": received_text, "visual_share": share}
+    return named
+
+
+def _stack_kv(inp, layers: range) -> Tensor:
+    """Each layer's keys and values side by side in one fp32 buffer ``[g, T, H, 2D]``, one
+    layer read at a time (a ``LayerView`` gathers each from the KV pool)."""
+    d = inp.head_dim
+    out = torch.empty(len(layers), inp.num_tokens, inp.num_kv_heads, 2 * d,
+                      device=inp.device)
+    for i, li in enumerate(layers):
+        out[i, ..., :d] = inp.keys[li]
+        out[i, ..., d:] = inp.values[li]
+    return out
 
 
 def _stack(per_layer, layers: range) -> Tensor:
-    """``per_layer[li]`` for ``li`` in ``layers`` stacked; one layer read at a time (a
-    ``LayerView`` gathers each from the KV pool), so no more than one copy is alive beside the
-    stack."""
-    out = None
-    for i, li in enumerate(layers):
-        x = per_layer[li]
-        if out is None:
-            out = x.new_empty((len(layers), *x.shape))
-        out[i] = x
-    return out
+    """``per_layer[li]`` for ``li`` in ``layers`` stacked."""
+    return torch.stack([per_layer[li] for li in layers])
 
 
 def _stacked_logits(q: Tensor, k: Tensor, scale: float, q_pos: Tensor) -> Tensor:

@@ -191,7 +191,7 @@ def test_an_escalation_reuses_what_does_not_depend_on_the_plan(monkeypatch) -> N
     q = torch.stack([inp.keys[li][[7, 7, 7, 63, 63, 63]] * 6.0 for li in range(3)])
     inp = ScoreInputs(inp.keys, inp.values, inp.spans, obs_queries=q)
     calls = {"attend": [], "unit": []}
-    attend, unit = selfcheck.reference_attention, signals.unit_kv_norms
+    attend, unit = selfcheck.reference_attention, signals.normalize_kv_
 
     def counted(name, fn, layer_of):
         def wrapper(*args, **kwargs):
@@ -201,11 +201,13 @@ def test_an_escalation_reuses_what_does_not_depend_on_the_plan(monkeypatch) -> N
 
     monkeypatch.setattr(selfcheck, "reference_attention", counted("attend", attend,
                                                                   lambda a: a[1]))
-    def layers_of(args) -> tuple[int, ...]:  # one layer's keys, or several stacked
+    def layers_of(args) -> tuple[int, ...]:  # one layer's [K | V], or several stacked
         stack = args[0] if args[0].dim() == 4 else args[0].unsqueeze(0)
-        return tuple(li for li, k in enumerate(inp.keys) for x in stack if torch.equal(x, k))
+        d = inp.head_dim
+        return tuple(li for li, k in enumerate(inp.keys) for x in stack
+                     if torch.equal(x[..., :d], k.float()))
 
-    monkeypatch.setattr(signals, "unit_kv_norms", counted("unit", unit, layers_of))
+    monkeypatch.setattr(signals, "normalize_kv_", counted("unit", unit, layers_of))
     cfg = UniCacheConfig(keep_ratio=0.05, selfcheck_threshold=1e-6, escalate_max_keep=0.4,
                          escalate_factor=2.0, selfcheck_layers=2)
     plan = build_method(cfg).plan(inp)
@@ -232,14 +234,23 @@ def test_selfcheck_statistics_are_zero_when_nothing_is_lost() -> None:
 @pytest.mark.parametrize("content_threshold,computed", [
     (0.15, {"kl", "kl_head", "content_lost"}), (1.0, {"kl", "kl_head"})])
 @pytest.mark.parametrize("keep", [0.05, 0.1, 0.3])
-def test_the_check_computes_only_what_decides_and_decides_the_same(content_threshold, computed,
-                                                                   keep) -> None:
+def test_the_check_computes_only_what_decides_and_decides_the_same(monkeypatch, content_threshold,
+                                                                   computed, keep) -> None:
     """Without ``selfcheck_all_statistics`` a KL-decided check computes the KL statistics and,
-    while its half is on, content_lost: the same verdict, value and level as the full record."""
+    while its half is on, content_lost (no attention output: the KL reads normalisers and
+    logits alone): the same verdict, value and level as the full record."""
+    from sglang_unicache.policy.checks import selfcheck
+
+    def never(*args, **kwargs):
+        raise AssertionError("a KL-decided check computed an attention output")
+
     inp = make_inputs()
     cfg = UniCacheConfig(keep_ratio=keep, selfcheck_threshold=0.05,
                          selfcheck_content_threshold=content_threshold)
-    lean = build_method(cfg).plan(inp)
+    with monkeypatch.context() as m:
+        m.setattr(selfcheck, "attend_from_logits", never)
+        m.setattr(selfcheck, "window_attend", never)
+        lean = build_method(cfg).plan(inp)
     full = build_method(cfg.replace(selfcheck_all_statistics=True)).plan(inp)
     assert set(lean.selfcheck.stats) == computed
     assert (lean.keep_ratio, lean.escalations, lean.fallback, lean.selfcheck.value) == \

@@ -143,13 +143,23 @@ def test_unit_kv_is_normalise_then_concatenate(dtype, shape) -> None:
     assert torch.equal(norms[..., 1], v.float().norm(dim=-1))
 
 
-def test_raster_redundancy_is_the_same_in_any_blocks() -> None:
+def test_raster_redundancy_matches_its_definition() -> None:
+    """Each token's mean cosine (of unit K/V) to the neighbours up to 4 away inside its run,
+    clipped to [0, 1]; layers stacked in front give each layer's numbers."""
     g = torch.Generator().manual_seed(2)
-    x = signals.unit_kv(torch.randn(300, 2, 16, generator=g), torch.randn(300, 2, 16, generator=g))
+    x = torch.stack([signals.unit_kv(torch.randn(300, 2, 16, generator=g),
+                                     torch.randn(300, 2, 16, generator=g)) for _ in range(2)])
     run = torch.zeros(300, dtype=torch.long)
     run[100:250] = 1
-    whole = signals.raster_redundancy(x, run, 4)
-    assert torch.equal(signals.raster_redundancy(x, run, 4, rows=7), whole)
+    got = signals.raster_redundancy(x, run, 4)
+    assert got.shape == (2, 2, 300)
+    for layer in range(2):
+        for i in (0, 3, 99, 100, 101, 180, 249, 250, 299):
+            near = [j for j in range(i - 4, i + 5)
+                    if j != i and 0 <= j < 300 and run[j] == run[i]]
+            cos = torch.stack([(x[layer, i] * x[layer, j]).sum(-1) for j in near]).mean(0)
+            torch.testing.assert_close(got[layer, :, i], cos.clamp(0, 1), rtol=0, atol=1e-6)
+        assert torch.equal(signals.raster_redundancy(x[layer], run, 4), got[layer])
 
 
 def test_merge_gather_matches_its_definition() -> None:

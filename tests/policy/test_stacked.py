@@ -18,7 +18,7 @@ from sglang_unicache.policy.ranks import ONE_RANK
 from sglang_unicache.policy.registry import build_method
 from tests.policy.conftest import make_inputs
 
-SIGNALS = ("unit_kv", "key_norm", "redundancy", "lse_all", "lse_visual", "received",
+SIGNALS = ("unit_kv", "key_norm", "redundancy", "received",
            "received_text", "visual_share")
 
 

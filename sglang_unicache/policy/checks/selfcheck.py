@@ -66,6 +66,7 @@ from sglang_unicache.policy.kernels.reference import (
     _logits,
     attend_from_logits,
     window_attend,
+    window_lse,
 )
 from sglang_unicache.policy.plans import CompressionPlan, SelfCheckResult
 
@@ -75,17 +76,20 @@ CONTENT_LAYER = 0  # content_lost reads the first layer: the image as the vision
 KL_STATISTICS = ("kl", "kl_head")  # what ``layer_stats(kl_only=True)`` returns, in that order
 
 
-def reference_attention(ctx, layer: int, q: Tensor, pos: Tensor, rows: Tensor,
-                        spans: tuple) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
+def reference_attention(ctx, layer: int, q: Tensor, pos: Tensor, rows: Tensor, spans: tuple,
+                        outputs: bool = True
+                        ) -> tuple[Tensor | None, Tensor, Tensor | None, Tensor, list[Tensor]]:
     """The attention of the observation queries ``q`` (``rows`` of the window, at ``pos``) over
     the full request, plan-independent: ``(out_p, lse_p, out_rest, lse_rest, l_orig)``, the
     output ``[H, G, W', D]`` and normaliser ``[H, G, W']`` over every key and over the keys
     outside the spans, and each span's logits ``[H, G, W', N]`` (``-inf`` where a query does
-    not see it).
+    not see it). ``outputs=False``: the normalisers and logits alone (what the KL reads), the
+    outputs None.
 
     When the context keeps the layer's logits (no head merging, T within ``stats_chunk``) they
     are sliced, not recomputed: the rest is attended over its own columns and the full output
-    is the rest's, rescaled, plus each span's. Otherwise two chunked passes (``window_attend``)."""
+    is the rest's, rescaled, plus each span's. Otherwise two chunked passes (``window_attend``,
+    or ``window_lse`` without outputs)."""
     inp = ctx.inputs
     keys, values = inp.keys[layer], inp.values[layer]
     compressed = torch.zeros(inp.num_tokens, dtype=torch.bool, device=keys.device)
@@ -93,9 +97,14 @@ def reference_attention(ctx, layer: int, q: Tensor, pos: Tensor, rows: Tensor,
         compressed[start:end] = True
     lg = ctx.logits(layer) if ctx.head_clusters(layer) is None else None
     if lg is None:
-        out_p, lse_p = window_attend(q, keys, values, inp.scale, pos, None, ctx.stats_chunk)
-        out_rest, lse_rest = window_attend(q, keys, values, inp.scale, pos, ~compressed,
-                                           ctx.stats_chunk)
+        if outputs:
+            out_p, lse_p = window_attend(q, keys, values, inp.scale, pos, None, ctx.stats_chunk)
+            out_rest, lse_rest = window_attend(q, keys, values, inp.scale, pos, ~compressed,
+                                               ctx.stats_chunk)
+        else:
+            out_p = out_rest = None
+            lse_p = window_lse(q, keys, inp.scale, pos, None, ctx.stats_chunk)
+            lse_rest = window_lse(q, keys, inp.scale, pos, ~compressed, ctx.stats_chunk)
         l_orig = [_logits(q, keys[start:end], inp.scale)
                   .masked_fill(~(pos >= end - 1).view(1, 1, -1, 1), float("-inf"))
                   for start, end in spans]
@@ -104,24 +113,27 @@ def reference_attention(ctx, layer: int, q: Tensor, pos: Tensor, rows: Tensor,
     rest = (~compressed).nonzero().flatten()
     l_rest = lg[..., rest]
     lse_rest = torch.logsumexp(l_rest, dim=-1)
-    out_rest = attend_from_logits(l_rest, lse_rest, values[rest])
     lse_p = torch.logsumexp(lg, dim=-1)
+    l_orig = [lg[..., start:end] for start, end in spans]
+    if not outputs:
+        return None, lse_p, None, lse_rest, l_orig
+    out_rest = attend_from_logits(l_rest, lse_rest, values[rest])
     safe_p = torch.where(torch.isfinite(lse_p), lse_p, torch.zeros_like(lse_p))
     out_p = out_rest * torch.exp(lse_rest - safe_p).nan_to_num(0.0).unsqueeze(-1)
-    l_orig = [lg[..., start:end] for start, end in spans]
     for (start, end), lo in zip(spans, l_orig, strict=True):
         out_p = out_p + attend_from_logits(lo, lse_p, values[start:end])
     return out_p, lse_p, out_rest, lse_rest, l_orig
 
 
-def _reference(ctx, layer: int, spans: tuple) -> dict | None:
+def _reference(ctx, layer: int, spans: tuple, kl_only: bool = False) -> dict | None:
     """Everything of one layer's check that does not depend on the plan, computed once per
     ``Method.plan`` (an escalation re-plans at a larger K and reuses it): the valid observation
     queries, the full and the rest-of-request attention over them (``reference_attention``),
     each span's original log-probabilities, probabilities and unit keys, the attention on the
-    images. None when no observation query is valid."""
+    images. None when no observation query is valid. ``kl_only``: what the KL reads (the
+    normalisers and each span's log-probabilities), unless the whole is already computed."""
 
-    def compute() -> dict | None:
+    def compute(outputs: bool) -> dict | None:
         inp = ctx.inputs
         pos = ctx.obs_positions
         valid = torch.ones_like(pos, dtype=torch.bool)
@@ -131,11 +143,14 @@ def _reference(ctx, layer: int, spans: tuple) -> dict | None:
             return None
         q, pos = inp.obs_queries[layer][valid], pos[valid]
         out_p, lse_p, out_rest, lse_rest, l_orig = reference_attention(
-            ctx, layer, q, pos, valid, spans)
+            ctx, layer, q, pos, valid, spans, outputs)
         per_span, image_p = [], torch.zeros_like(lse_p)
         for (start, end), lo in zip(spans, l_orig, strict=True):
             sees = (pos >= end - 1).view(1, 1, -1, 1)
             log_p = lo - lse_p.unsqueeze(-1)
+            if not outputs:
+                per_span.append((sees, log_p, None, None))
+                continue
             p_span = torch.exp(log_p)
             image_p = image_p + p_span.sum(-1)
             unit = torch.nn.functional.normalize(ctx.keys(layer)[start:end].float(), dim=-1)
@@ -143,7 +158,10 @@ def _reference(ctx, layer: int, spans: tuple) -> dict | None:
         return {"q": q, "out_p": out_p, "lse_p": lse_p, "out_rest": out_rest,
                 "lse_rest": lse_rest, "image_p": image_p, "spans": per_span}
 
-    return ctx.cached(f"selfcheck reference {spans}", layer, compute)
+    full = f"selfcheck reference {spans}"
+    if kl_only and not ctx.has(full, layer):
+        return ctx.cached(f"selfcheck kl reference {spans}", layer, lambda: compute(False))
+    return ctx.cached(full, layer, lambda: compute(True))
 
 
 def key_coverage(unit: Tensor, kept: Tensor, seen: dict) -> Tensor:
@@ -197,7 +215,7 @@ def layer_stats(ctx, layer: int, plans: list[CompressionPlan], kl_only: bool = F
     plans = [p for p in plans if not p.skipped]
     if not plans:
         return None
-    ref = _reference(ctx, layer, tuple((p.span.start, p.span.end) for p in plans))
+    ref = _reference(ctx, layer, tuple((p.span.start, p.span.end) for p in plans), kl_only)
     if ref is None:
         return None
     q, lse_p, lse_rest = ref["q"], ref["lse_p"], ref["lse_rest"]
@@ -218,7 +236,8 @@ def layer_stats(ctx, layer: int, plans: list[CompressionPlan], kl_only: bool = F
     for *_, l_comp, _ in parts:
         lse_q = torch.logaddexp(lse_q, torch.logsumexp(l_comp, dim=-1))
     safe_q = torch.where(torch.isfinite(lse_q), lse_q, torch.zeros_like(lse_q))
-    out_q = ref["out_rest"] * torch.exp(lse_rest - safe_q).nan_to_num(0.0).unsqueeze(-1)
+    out_q = (None if kl_only else
+             ref["out_rest"] * torch.exp(lse_rest - safe_q).nan_to_num(0.0).unsqueeze(-1))
     kl = torch.exp(lse_rest - lse_q).nan_to_num(0.0) * (lse_p - lse_q)
     image_kept = torch.zeros_like(lse_p)
     for lp, log_p, p_span, l_comp, v_c in parts:

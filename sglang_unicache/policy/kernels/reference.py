@@ -5,7 +5,7 @@ of ``chunk`` tokens, so the largest temporary is ``[H, G, W, chunk]`` (never ``[
 Two passes: ``window_lse`` (softmax normalisers), then ``window_colsum`` (probabilities reduced over
 queries). Causality: query at position p sees keys at positions <= p. When the whole request fits
 in one chunk, ``PlanContext`` computes ``causal_logits`` once per layer and derives every statistic
-from it (``lse_from_logits``, ``probs_from_logits``, ``colsum_from_probs``,
+from it (``window_signals``, ``lse_from_logits``, ``colsum_from_logits``,
 ``attend_from_logits``).
 """
 
@@ -68,6 +68,35 @@ def probs_from_logits(logits: Tensor, lse: Tensor) -> Tensor:
     """``[H, G, W, C]`` softmax probabilities of logits normalised by ``lse`` (-inf -> 0)."""
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1)
     return torch.exp(logits - safe)
+
+
+WINDOW_SIGNALS = ("received", "received_text", "visual_share")  # what ``window_signals`` returns
+
+
+def window_signals(
+    logits: Tensor, is_visual: Tensor, query_weight: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The scorers' window signals of one layer from its causal logits ``[H, G, W, T]``:
+    ``(received [H, T], received_text [H, T], visual_share [H, W])``, the mean attention each
+    key receives from every observation query and from the queries weighted by
+    ``query_weight [W]`` (the text ones), and each query's share of attention on ``is_visual
+    [T]`` keys (averaged over its group). Layers stacked in front give each layer's numbers.
+    One pass of exponentials: the softmax is never materialised; its normalisers and the
+    visual mass are one product of the exponentials with ``[1 | is_visual]``, the column sums
+    one product with the queries' weights over their normalisers."""
+    *lead, h, g, w, t = logits.shape
+    top = logits.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a row that sees nothing
+    e = torch.exp(logits - top).view(-1, g * w, t)  # [L'H, G*W, T]
+    vis = is_visual.float()
+    sums = e @ torch.stack([torch.ones_like(vis), vis], 1)  # [L'H, G*W, 2]
+    total = sums[..., 0]
+    inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
+    share = (sums[..., 1] * inv).view(*lead, h, g, w).mean(dim=-2)
+    rw = query_weight.float().repeat(g)
+    weights = torch.stack([inv / (w * g), inv * rw / (rw.sum().clamp_min(1.0))], 1)
+    cols = torch.bmm(weights, e).view(*lead, h, 2, t)
+    return cols[..., 0, :], cols[..., 1, :], share
 
 
 def colsum_from_probs(
