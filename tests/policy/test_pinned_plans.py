@@ -191,7 +191,8 @@ def test_merge_gather_matches_its_definition() -> None:
 
 def test_reference_attention_from_kept_logits_equals_the_chunked_passes() -> None:
     """The self-check's full and rest-of-request attention sliced from the context's logits
-    equal the two chunked passes, also when some observation queries are left out."""
+    equal the two chunked passes, also when some observation queries are left out; without
+    the outputs, either path gives its normalisers and logits unchanged."""
     inp = make_inputs(layers=2, tokens=120, window=6)
     pos = torch.tensor([50, 53, 80, 110, 115, 119])  # 50: inside span (4, 54); 80: between
     inp = ScoreInputs(inp.keys, inp.values, inp.spans, obs_queries=inp.obs_queries,
@@ -210,6 +211,12 @@ def test_reference_attention_from_kept_logits_equals_the_chunked_passes() -> Non
         assert torch.equal(torch.isinf(a), torch.isinf(b))
         torch.testing.assert_close(a[torch.isfinite(a)], b[torch.isfinite(b)], rtol=1e-5,
                                    atol=1e-5)
+    # Without outputs (what the KL reads): the same normalisers and logits, bit for bit.
+    for ctx, full in ((kept_logits, fast), (chunked, slow)):
+        lean = reference_attention(ctx, 1, q, p, rows, spans, outputs=False)
+        assert lean[0] is None and lean[2] is None
+        assert torch.equal(lean[1], full[1]) and torch.equal(lean[3], full[3])
+        assert all(torch.equal(a, b) for a, b in zip(lean[4], full[4], strict=True))
 
 
 @pytest.mark.parametrize("nested", [True, False])
