@@ -7,11 +7,11 @@ Here the layers of a group are stacked along a leading dimension and each signal
 once for the group: the keys and values of every layer side by side in one buffer (normalised
 in place into the unit K/V once the window logits are read from its keys), the window logits
 in one buffer, the neighbour redundancy, the window signals (``window_signals``, which the
-per-layer path calls on one layer's logits). Each
-layer's slice is stored in the context's cache under the name its per-layer method uses, so
-the scorer's combination, the merge reducer, the alignment scores and the self-check read them
-unchanged. The stacked operations are the per-layer ones with a leading dimension: every value
-is the one the per-layer path gives (``tests/policy/test_stacked.py`` compares them exactly).
+per-layer path calls on one layer's logits). Each layer's slice is stored in the context's
+cache under the name its per-layer method uses, so the scorer's combination, the merge
+reducer, the alignment scores and the self-check read them unchanged. The stacked operations
+are the per-layer ones with a leading dimension: every value is the one the per-layer path
+gives (``tests/policy/test_stacked.py`` compares them exactly).
 
 Groups are consecutive layers whose temporaries fit ``GROUP_BYTES``; the per-layer path stays
 for what this does not cover (head merging, a request longer than ``stats_chunk``, spans on a
@@ -27,7 +27,7 @@ from sglang_unicache.policy.kernels.reference import WINDOW_SIGNALS, window_sign
 
 Tensor = torch.Tensor
 
-GROUP_BYTES = 64 << 20  # the temporaries of one group of layers (fp32 logits, probabilities, K/V)
+GROUP_BYTES = 64 << 20  # the temporaries of one group of layers (fp32 logits, exponentials, K/V)
 
 
 def layer_groups(ctx) -> list[range] | None:
