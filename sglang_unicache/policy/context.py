@@ -216,14 +216,13 @@ class PlanContext:
         """The window signal ``name`` of the layer: with its logits kept, every scorer signal
         at once (``window_signals``: ``received``, ``received_text``, ``visual_share``);
         otherwise ``chunked()``, chunk by chunk over the keys."""
-        if (name, layer) not in self._cache:
+        if not self.has(name, layer):
             lg = self.logits(layer)
             if lg is None:
-                self._cache[(name, layer)] = chunked()
-            else:
-                signals_ = window_signals(lg, self.is_visual, self.query_is_text)
-                for n, value in zip(WINDOW_SIGNALS, signals_, strict=True):
-                    self._cache[(n, layer)] = value
+                return self.cached(name, layer, chunked)
+            signals_ = window_signals(lg, self.is_visual, self.query_is_text)
+            for n, value in zip(WINDOW_SIGNALS, signals_, strict=True):
+                self.store(n, layer, value)
         return self._cache[(name, layer)]
 
     def received(self, layer: int) -> Tensor:
