@@ -93,6 +93,19 @@ SHIPPED_ROW = {"--unicache --unicache-keep-ratio 0.1 (defaults as shipped)":
                [*SHIPPED, "--unicache-keep-ratio", "0.1"]}
 
 
+def shipped_variants(keys: str, work: Path) -> dict[str, list[str]]:
+    """``--shipped-set``: the defaults as shipped with ``keys`` (a JSON object) in a config
+    file, as one row named after them; none for an empty string."""
+    if not keys:
+        return {}
+    overrides = json.loads(keys)
+    path = work / "shipped-set.json"
+    path.write_text(json.dumps(overrides))
+    label = ", ".join(f"`{key}: {json.dumps(value)}`" for key, value in overrides.items())
+    return {f"defaults as shipped with {label}":
+            [*SHIPPED, "--unicache-keep-ratio", "0.1", "--unicache-config", str(path)]}
+
+
 def flags_for(method: str | None, ratio: float, config: Path) -> list[str]:
     if method is None:
         return ["--enable-cache-report"]
@@ -270,10 +283,12 @@ def images_chat(pngs: list[bytes], question: str, **params) -> dict:
 
 def overhead(model: Path, config: Path, methods: list[str], ratio: float, log_dir: Path,
              requests: int = 6, images: int = 1, size: int = IMAGE_SIZE,
-             extra: list[str] | None = None) -> list[dict]:
+             extra: list[str] | None = None,
+             variants: dict[str, list[str]] | None = None) -> list[dict]:
     rows, extra = [], extra or []
     runs = [(method, flags_for(method, ratio, config) + extra) for method in methods]
     runs.append(("unicache, defaults as shipped", SHIPPED + extra))
+    runs += [(name, flags + extra) for name, flags in (variants or {}).items()]
     for method, flags in runs:
         server = start_server(model, flags, log_dir / "overhead.log")
         try:
@@ -344,6 +359,10 @@ def main() -> None:
                         help="workload, overhead-large and recall parts: flags added to every "
                              "server, stock included (e.g. --dtype float32 where the CPU has no "
                              "native bf16 matmul)")
+    parser.add_argument("--shipped-set", default="",
+                        help="overhead-large and workload-large: one more row, the defaults as "
+                             "shipped with these config keys (JSON, e.g. "
+                             "'{\"view_max_keep\": 0.15}')")
     parser.add_argument("--out", default="runs/perf.json")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp())
@@ -355,6 +374,7 @@ def main() -> None:
     start = time.perf_counter()
     parts = args.parts.split(",")
     extra = args.server_args.split()
+    variants = shipped_variants(args.shipped_set, work)
     results = {}
     if "memory" in parts:
         results["memory"] = memory_per_image(model, config,
@@ -384,7 +404,8 @@ def main() -> None:
         results["overhead-large"] = overhead(large, config, args.methods.split(","), 0.1,
                                              log_dir, requests=args.overhead_requests,
                                              images=args.overhead_images,
-                                             size=args.image_px, extra=extra)
+                                             size=args.image_px, extra=extra,
+                                             variants=variants)
     servers = {"stock": flags_for(None, 0.1, config) + extra,
                f"unicache {args.method} keep 0.1": flags_for(args.method, 0.1, config) + extra}
     shipped_row = {name: flags + extra for name, flags in SHIPPED_ROW.items()}
@@ -396,7 +417,9 @@ def main() -> None:
         large = Path(args.workload_model) if args.workload_model else build_tiny_qwen2_vl(
             work / f"tiny-qwen2-vl-workload-{args.image_px}",
             **{**WORKLOAD_MODEL, "image_size": args.image_px})
-        results["workload-large"] = workload(large, {**servers, **shipped_row}, log_dir,
+        rows = {**servers, **shipped_row,
+                **{name: flags + extra for name, flags in variants.items()}}
+        results["workload-large"] = workload(large, rows, log_dir,
                                              images=args.images,
                                              conversations=args.conversations,
                                              turns=args.turns, concurrency=args.clients,

@@ -84,16 +84,18 @@ class Controller:
         if rungs is None:
             rungs = DEFAULT_VIEW_RUNGS if cfg.selfcheck else 0
         wanted = ({"selfcheck_content_threshold": 1.0, "view_rungs": rungs}
-                  if copies is not None else {"view_rungs": 0})
+                  if copies is not None else {"view_rungs": 0, "view_max_keep": None})
         if any(getattr(cfg, key) != value for key, value in wanted.items()):
             self.config = cfg = cfg.replace(**wanted)
             self.method = build_method(cfg)
         if self.active and cfg.selfcheck:
+            then = ("decoding on that view" if cfg.view_max_keep is not None
+                    else "keeping full KV")
             logger.info("sglang-unicache: %s at keep %.3g; self-check %s <= %.3g and content_lost"
-                        " <= %.3g, escalating up to keep %.3g before keeping full KV",
+                        " <= %.3g, escalating up to keep %.3g before %s",
                         cfg.method, cfg.keep_ratio, cfg.selfcheck_statistic,
                         cfg.selfcheck_threshold, cfg.selfcheck_content_threshold,
-                        cfg.escalate_max_keep)
+                        self.method.keep.top(), then)
         self.naming = SpanNaming.of(cfg)
         self.slots = Slots(self.allocator, self.on_slots_freed)
         self.outcomes = Outcomes(cfg, self.stats)

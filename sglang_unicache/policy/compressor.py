@@ -18,9 +18,11 @@ Order of operations (UniCache seed §3.2, §5.3, §6.3, §7):
 5. reduction (evict / merge); quantization happens in ``execute`` (after token compression);
 6. the self-check on the last layers (§7.1); a failure raises the keep ratio by
    ``escalate_factor`` up to ``escalate_max_keep`` and plans again, and sets the fallback flag
-   only past that cap. Only the layers the check reads are planned until a level passes (or
-   is the cap); the others are planned once, at that level (``SelfCheck.layers_read``): the
-   same plan, without planning every layer of each failed level.
+   only past that cap (a view bounded by ``view_max_keep`` is not checked at the top of its
+   ladder and never falls back). Only the layers the check reads are planned until a level
+   passes (or is the cap); the others are planned once, at that level
+   (``SelfCheck.layers_read``): the same plan, without planning every layer of each failed
+   level.
 
 Hot paths are vectorised over heads and tokens; Python loops are over layers and spans only. The
 only host syncs per plan are budget bookkeeping (small CPU tensors) and the final self-check value.
@@ -235,6 +237,11 @@ class Method:
         if check is None or identity:
             plan(layers)
             return drafts, None if check is None else check.unchecked()
+        if self.keep.bounded and not self.keep.can_escalate(keep):
+            # A view at the top of its bounded ladder decodes on this plan whatever the check
+            # says: there is nothing left to decide, so nothing is computed.
+            plan(layers)
+            return drafts, check.unchecked()
         kl = None
         if self.keep.can_escalate(keep) and check.decided_by_kl:
             kl = check.kl_check(ctx, drafts, plan_layer=lambda li: plan((li,)))

@@ -242,6 +242,13 @@ class UniCacheConfig:
         "request's own view is planned at (keep 0.1, 1 rung: 0.141, within 0.15x of the image); "
         "its span rests at keep_ratio. None: 1 in the server with host copies and the "
         "self-check on, else 0 (the policy alone: 0)")
+    # A bound on the view instead of a guard: on both trained models no view the check climbed
+    # past 0.141 answered better for it (docs/selfcheck.md, "A bound on the view").
+    view_max_keep: float | None = doc(
+        None, "with host copies: the largest share of its image a request's own view is planned "
+        "at; the ladder takes no rung above it, and a view that cannot climb decodes on what it "
+        "has, unchecked (its first token saw the whole image; its span rests at keep_ratio). "
+        "None: the ladder up to escalate_max_keep, then full KV")
     rest_at_keep_ratio: bool = doc(
         True, "once no request uses it, a span the self-check escalated goes back to "
         "keep_ratio x N entries when its image has a host copy (the copy serves later "
@@ -314,6 +321,8 @@ class UniCacheConfig:
         _unit("escalate_max_keep", self.escalate_max_keep, low_open=True)
         if self.view_rungs is not None:
             _int_range("view_rungs", self.view_rungs, 0, 64)
+        if self.view_max_keep is not None:
+            _unit("view_max_keep", self.view_max_keep, low_open=True)
         if not (isinstance(self.escalate_factor, (int, float))
                 and math.isfinite(self.escalate_factor) and self.escalate_factor > 1):
             raise ValueError(

@@ -6,7 +6,9 @@
 2. **Escalation**: a failed self-check multiplies it by ``escalate_factor`` (sqrt 2), up to
    ``escalate_max_keep`` (the cap; a start above it is not escalated). A level whose plan
    cannot pass the check's content half is skipped without being planned (``climb``); past
-   the cap the request keeps its full KV.
+   the cap the request keeps its full KV. With ``view_max_keep`` (a request's own view, with
+   host copies) the ladder takes no rung above that bound, and a view that cannot climb
+   further decodes on the level it has (``bounded``): no full-KV fallback.
 3. **Re-compression** under memory pressure: a cached span of K entries keeps
    ``ceil(K * recompress_factor)``, never below ``ceil(N * recompress_floor)`` or 1
    (``shrunk``; which entries go is ``shrink.shrink_order``'s).
@@ -33,6 +35,7 @@ class KeepRatio:
     escalate_max_keep: float = 0.4
     escalate_factor: float = 2**0.5
     view_rungs: int | None = None  # None: 0 (the engine resolves it with host copies)
+    view_max_keep: float | None = None  # None: no bound (the engine keeps it with host copies)
     recompress_factor: float = 0.5
     recompress_floor: float = 0.02
 
@@ -48,8 +51,19 @@ class KeepRatio:
             keep = self.escalated(keep)
         return keep
 
+    @property
+    def bounded(self) -> bool:
+        """Whether the plan is a view under ``view_max_keep``: at the top of its ladder it
+        decodes on what it has instead of falling back to the full KV."""
+        return self.view_max_keep is not None
+
     def can_escalate(self, keep: float) -> bool:
-        return keep < self.escalate_max_keep
+        """Whether a level above ``keep`` exists: below the cap and, with ``view_max_keep``,
+        a next rung within that bound (a rung that would pass it is not taken)."""
+        if keep >= self.escalate_max_keep:
+            return False
+        return (self.view_max_keep is None
+                or self.escalated(keep) <= self.view_max_keep * (1 + 1e-9))
 
     def escalated(self, keep: float) -> float:
         """The next level after a failed check at ``keep``: times ``escalate_factor``, capped
@@ -68,10 +82,21 @@ class KeepRatio:
             skipped += 1
         return keep, skipped
 
+    def top(self) -> float:
+        """The level a request planned at ``start()`` reaches if every check fails."""
+        keep = self.start()
+        while self.can_escalate(keep):
+            keep = self.escalated(keep)
+        return keep
+
     @property
     def highest(self) -> float:
-        """The largest ratio a plan may reach (the cap, or a start above it)."""
-        return max(self.escalate_max_keep, self.keep_ratio)
+        """The largest ratio a plan may reach (the cap or the view's bound, or a start above
+        it)."""
+        cap = self.escalate_max_keep
+        if self.view_max_keep is not None:
+            cap = min(cap, self.view_max_keep)
+        return max(cap, self.keep_ratio)
 
     def at_rest(self, current: int, original: int) -> int:
         """Entries a span of ``current`` entries (``original`` tokens) keeps at rest when its

@@ -96,3 +96,32 @@ def test_a_view_planned_above_the_keep_ratio_rests_at_it(copies, view_entries, s
         assert state["integrity"] == []
     finally:
         server.stop()
+
+
+def test_a_bounded_view_decodes_within_its_bound(server_factory, tmp_path):
+    """``view_max_keep`` 0.15: the blue square's second question, whose view climbs from 9
+    entries to 13 as shipped (above), takes no rung past 0.15x of the image: it decodes on 9
+    entries, unchecked at the top of its ladder, and never falls back."""
+    server_factory.make_room(1)
+    config = tmp_path / "bounded.json"
+    config.write_text('{"view_max_keep": 0.15}')
+    server = start_server(CHECKPOINTS / "tiny-vqa-qwen2-vl",
+                          ["--unicache", "--unicache-config", str(config),
+                           "--enable-cache-report"], tmp_path / "bounded.log")
+    try:
+        first = image_chat(readme_square(), "what colour is the square?", max_tokens=8)
+        reply = chat(server, first)
+        before = internal_state(server)["unicache"]
+        assert before["slots_freed"] == 64 - 9  # its view: 9 entries of 64
+        first["messages"] += [{"role": "assistant", "content": answer(reply)},
+                              {"role": "user", "content": "how many objects are there?"}]
+        chat(server, first)
+        state = internal_state(server)["unicache"]
+        assert state["spans_recalled"] == 1 and state["images_prefilled"] == 1
+        assert state["slots_freed"] - before["slots_freed"] == 64 - 9  # 9 entries, not 13
+        assert state["escalations"] == 0 and state["fallbacks"] == 0
+        assert state["recent_checks"] == []  # at the top of its ladder nothing is checked
+        assert state["compressed_slots_held"] == 6
+        assert state["integrity"] == []
+    finally:
+        server.stop()

@@ -39,6 +39,8 @@ def test_defaults_are_seed_8_1() -> None:
         ("escalate_max_keep", 0.0),
         ("escalate_factor", 1.0),
         ("view_rungs", -1),
+        ("view_max_keep", 0.0),
+        ("view_max_keep", 1.5),
         ("escalate_factor", float("inf")),
         ("min_image_tokens", 0),
         ("layer_fill", "zeros"),

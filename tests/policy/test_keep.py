@@ -35,6 +35,19 @@ def test_the_dynamic_rate_replaces_the_start_and_a_start_above_the_cap_never_esc
     assert keep.start(dynamic=0.25) == 0.25 and keep.highest == 0.6
 
 
+def test_a_bounded_view_takes_no_rung_above_its_bound():
+    keep = KeepRatio(keep_ratio=0.1, view_rungs=1, view_max_keep=0.15)
+    assert keep.bounded and keep.start() == pytest.approx(0.1 * 2**0.5)
+    assert not keep.can_escalate(keep.start()) and keep.top() == keep.start()  # 0.2 > 0.15
+    assert [round(x, 4) for x in ladder(KeepRatio(keep_ratio=0.01, view_rungs=1,
+                                                  view_max_keep=0.15))] == [
+        0.02, 0.0283, 0.04, 0.0566, 0.08, 0.1131]  # 0.16 would pass the bound
+    # a bound above the cap: the cap still ends the ladder; a start above the bound stays
+    assert ladder(KeepRatio(keep_ratio=0.1, view_max_keep=1.0))[-1] == 0.4
+    assert KeepRatio(keep_ratio=0.3, view_max_keep=0.15).top() == 0.3
+    assert not KeepRatio(keep_ratio=0.1).bounded and KeepRatio(keep_ratio=0.1).top() == 0.4
+
+
 def test_hopeless_levels_are_skipped_but_the_cap_is_always_planned():
     keep = KeepRatio(keep_ratio=0.05, escalate_max_keep=0.4)
     level, skipped = keep.climb(0.05, lambda level: level < 0.19)

@@ -168,6 +168,33 @@ def test_failed_selfcheck_escalates_the_budget_before_falling_back() -> None:
     assert climbed.fallback and climbed.escalations == 6 and climbed.keep_ratio == 0.4
 
 
+def test_a_bounded_view_climbs_within_its_bound_and_never_falls_back(monkeypatch) -> None:
+    from sglang_unicache.policy.checks import selfcheck
+
+    inp = make_inputs(group=1)
+    q = torch.stack([inp.keys[li][[7, 7, 7, 63, 63, 63]] * 6.0 for li in range(3)])
+    inp = ScoreInputs(inp.keys, inp.values, inp.spans, obs_queries=q)
+    cfg = UniCacheConfig(keep_ratio=0.05, selfcheck_statistic="kl", escalate_max_keep=0.4,
+                         selfcheck_content_threshold=1.0)
+    unbounded = _bad_scorer_method(cfg).plan(inp)
+    assert unbounded.fallback and unbounded.keep_ratio == 0.4  # every level fails
+    # bounded at 0.15: 0.05 -> 0.071 -> 0.1 -> 0.141, each failing, and 0.2 is not taken
+    bounded = _bad_scorer_method(cfg.replace(view_max_keep=0.15)).plan(inp)
+    assert not bounded.fallback and bounded.escalations == 3
+    assert bounded.keep_ratio == pytest.approx(0.05 * 2**1.5)
+    assert {p.physical_slots for p in bounded.image_plans()} == {round(0.05 * 2**1.5 * 50)}
+    assert bounded.selfcheck.passed and not bounded.selfcheck.checked  # the top is not checked
+    # a view that starts at the top of its ladder computes no check at all
+    def no_attention(*args, **kwargs):
+        raise AssertionError("the check ran at the top of a bounded ladder")
+
+    monkeypatch.setattr(selfcheck, "reference_attention", no_attention)
+    top = _bad_scorer_method(cfg.replace(keep_ratio=0.1, view_rungs=1,
+                                         view_max_keep=0.15)).plan(inp)
+    assert not top.fallback and top.escalations == 0
+    assert top.keep_ratio == pytest.approx(0.1 * 2**0.5)
+
+
 def test_a_view_rung_plans_the_request_above_the_keep_ratio() -> None:
     inp = make_inputs()
     base = build_method(UniCacheConfig(keep_ratio=0.1, view_rungs=0, selfcheck=False)).plan(inp)
