@@ -341,6 +341,11 @@ class UniCacheConfig:
             raise ValueError(
                 f"unicache config: host_copy_gb must be >= 0, got {self.host_copy_gb!r}")
         _choice("layer_fill", self.layer_fill, LAYER_FILLS)
+        if self.view_max_keep is not None and self.view_max_keep < self.keep_ratio:
+            raise ValueError(
+                f"unicache config: view_max_keep ({self.view_max_keep}) must be >= keep_ratio "
+                f"({self.keep_ratio}): a view is never planned below the keep ratio"
+            )
         if self.evict_low > self.evict_high:
             raise ValueError(
                 f"unicache config: evict_low ({self.evict_low}) must be <= evict_high "

@@ -60,6 +60,8 @@ def test_cross_field_checks() -> None:
         UniCacheConfig(evict_low=0.9, evict_high=0.8)
     with pytest.raises(ValueError, match="dynamic_rate_min"):
         UniCacheConfig(dynamic_rate_min=0.7, dynamic_rate_max=0.5)
+    with pytest.raises(ValueError, match="view_max_keep"):
+        UniCacheConfig(keep_ratio=0.25, view_max_keep=0.15)
 
 
 def test_unknown_method_lists_known() -> None:
