@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 from benchmarks import scheduler_phases
-from benchmarks.perf import SHIPPED, WORKLOAD_MODEL, flags_for, print_table
+from benchmarks.perf import SHIPPED, WORKLOAD_MODEL, flags_for, print_table, shipped_variants
 from benchmarks.perf_workload import QUESTIONS, picture, popular_images, workload_pool
 from tests.support.client import flush_cache, internal_state
 from tests.support.images import image_chat
@@ -88,11 +88,12 @@ def image_trace(path: Path, *, images: int = 24, conversations: int = 48, turns:
     return path
 
 
-def servers(config: Path) -> dict[str, list[str]]:
+def servers(config: Path, variants: dict[str, list[str]] | None = None) -> dict[str, list[str]]:
     return {"stock": ["--enable-cache-report"],
             "`--unicache` (defaults as shipped)": SHIPPED,
             "unicache keep 0.1, self-check off": flags_for("unicache", 0.1, config),
-            "knorm keep 0.1, self-check off": flags_for("knorm", 0.1, config)}
+            "knorm keep 0.1, self-check off": flags_for("knorm", 0.1, config),
+            **(variants or {})}
 
 
 def run_client(server, model: Path, workload: list[str], out: Path) -> dict:
@@ -107,7 +108,8 @@ def run_client(server, model: Path, workload: list[str], out: Path) -> dict:
 
 
 def measure(model: Path, config: Path, log_dir: Path, workloads: list[str],
-            profile: bool = False, extra: tuple[str, ...] = (), rounds: int = 1) -> list[dict]:
+            profile: bool = False, extra: tuple[str, ...] = (), rounds: int = 1,
+            variants: dict[str, list[str]] | None = None) -> list[dict]:
     rows = []
     trace = None
     for workload, parts in WORKLOADS.items():
@@ -119,7 +121,7 @@ def measure(model: Path, config: Path, log_dir: Path, workloads: list[str],
                                          for arg in parts["client"]]}
         for r in range(rounds):
             for row in _round(model, config, log_dir, workload, parts, profile, extra,
-                              len(rows)):
+                              len(rows), variants):
                 rows.append({**row, "round": r + 1} if rounds > 1 else row)
     return rows
 
@@ -145,11 +147,12 @@ def summary(rows: list[dict]) -> list[dict]:
 
 
 def _round(model: Path, config: Path, log_dir: Path, workload: str, parts: dict,
-           profile: bool, extra: tuple[str, ...], first: int) -> list[dict]:
+           profile: bool, extra: tuple[str, ...], first: int,
+           variants: dict[str, list[str]] | None = None) -> list[dict]:
     """Every server once on ``workload``, stock first: their rows, ratios to this stock."""
     rows = []
     base = None
-    for i, (name, flags) in enumerate(servers(config).items()):
+    for i, (name, flags) in enumerate(servers(config, variants).items()):
         n = first + len(rows)
         server = start_server(model, [*flags, *parts["server"], *extra],
                               log_dir / f"serving-client-{n}.log")
@@ -195,6 +198,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every server this many times, stock first in each round, "
                              "and add the median ratios")
+    parser.add_argument("--shipped-set", default="",
+                        help="one more server, the defaults as shipped with these config keys "
+                             "(JSON, e.g. '{\"view_max_keep\": 0.15}')")
     parser.add_argument("--out", default="runs/serving-client.json")
     args = parser.parse_args()
     extra = tuple(args.server_args.split())
@@ -207,7 +213,7 @@ def main() -> None:
     log_dir = Path("runs/perf-logs")
     log_dir.mkdir(parents=True, exist_ok=True)
     rows = measure(model, config, log_dir, args.workloads.split(","), args.profile, extra,
-                   args.rounds)
+                   args.rounds, shipped_variants(args.shipped_set, work))
     result = {"rows": rows, "server_args": list(extra), "rounds": args.rounds,
               "seconds": round(time.perf_counter() - start)}
     if args.rounds > 1:
