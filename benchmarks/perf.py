@@ -408,7 +408,7 @@ def main() -> None:
                                              variants=variants)
     servers = {"stock": flags_for(None, 0.1, config) + extra,
                f"unicache {args.method} keep 0.1": flags_for(args.method, 0.1, config) + extra}
-    shipped_row = {name: flags + extra for name, flags in SHIPPED_ROW.items()}
+    shipped_row = {name: flags + extra for name, flags in {**SHIPPED_ROW, **variants}.items()}
     if "workload" in parts:
         results["workload"] = workload(model, servers, log_dir, images=args.images,
                                        conversations=args.conversations, turns=args.turns,
@@ -417,9 +417,7 @@ def main() -> None:
         large = Path(args.workload_model) if args.workload_model else build_tiny_qwen2_vl(
             work / f"tiny-qwen2-vl-workload-{args.image_px}",
             **{**WORKLOAD_MODEL, "image_size": args.image_px})
-        rows = {**servers, **shipped_row,
-                **{name: flags + extra for name, flags in variants.items()}}
-        results["workload-large"] = workload(large, rows, log_dir,
+        results["workload-large"] = workload(large, {**servers, **shipped_row}, log_dir,
                                              images=args.images,
                                              conversations=args.conversations,
                                              turns=args.turns, concurrency=args.clients,

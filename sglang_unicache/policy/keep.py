@@ -91,12 +91,9 @@ class KeepRatio:
 
     @property
     def highest(self) -> float:
-        """The largest ratio a plan may reach (the cap or the view's bound, or a start above
-        it)."""
-        cap = self.escalate_max_keep
-        if self.view_max_keep is not None:
-            cap = min(cap, self.view_max_keep)
-        return max(cap, self.keep_ratio)
+        """The largest ratio a plan may reach before it falls back (the cap, or a start above
+        it); a bounded view never falls back."""
+        return max(self.escalate_max_keep, self.keep_ratio)
 
     def at_rest(self, current: int, original: int) -> int:
         """Entries a span of ``current`` entries (``original`` tokens) keeps at rest when its
