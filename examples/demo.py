@@ -108,7 +108,8 @@ def report(full: dict, compressed: dict, keep: str, image_tokens: int) -> None:
           f"{cfg['keep_ratio']}, self-check {cfg['selfcheck_statistic']} <= "
           f"{cfg['selfcheck_threshold']} and content_lost <= "
           f"{cfg['selfcheck_content_threshold']} (on: {cfg['selfcheck']}), escalating up to keep "
-          f"{cfg['escalate_max_keep']}; every key: docs/configuration.md")
+          f"{cfg['escalate_max_keep']}, a request's own view up to keep "
+          f"{cfg['view_max_keep'] or cfg['escalate_max_keep']}; every key: docs/configuration.md")
     images = len({r["image"] for r in full["rows"]})
     recalled = stats.get("spans_recalled", 0)
     done = stats["images_compressed"] - recalled  # a recalled turn compresses its own view too

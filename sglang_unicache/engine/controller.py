@@ -41,7 +41,12 @@ from sglang_unicache.engine.scale.tensor_parallel import TensorParallel
 from sglang_unicache.engine.spans import SpanIndex, SpanNaming
 from sglang_unicache.engine.stats import Stats
 from sglang_unicache.engine.targets import Targets
-from sglang_unicache.policy.config import DEFAULT_VIEW_RUNGS, UniCacheConfig
+from sglang_unicache.policy.config import (
+    DEFAULT_VIEW_MAX_KEEP,
+    DEFAULT_VIEW_RUNGS,
+    UniCacheConfig,
+)
+from sglang_unicache.policy.keep import KeepRatio
 from sglang_unicache.policy.quantize import host_row_bytes
 from sglang_unicache.policy.registry import build_method
 
@@ -77,25 +82,25 @@ class Controller:
         # With host copies a later question recalls the full image: content_lost, a guess about
         # questions not yet asked, no longer guards anything (docs/selfcheck.md), and each
         # request's own view starts on the self-check's ladder a rung above keep_ratio (its span
-        # rests at keep_ratio); with the check off it is planned at keep_ratio unless view_rungs
-        # says otherwise. Without copies a span rests at the count it was planned at: the view
-        # is the span later questions share, so it is planned at keep_ratio.
+        # rests at keep_ratio), climbing no higher than view_max_keep; with the check off it is
+        # planned at keep_ratio unless view_rungs says otherwise. Without copies a span rests at
+        # the count it was planned at: the view is the span later questions share, so it is
+        # planned at keep_ratio and its ladder is unbounded.
         rungs = cfg.view_rungs
         if rungs is None:
             rungs = DEFAULT_VIEW_RUNGS if cfg.selfcheck else 0
-        wanted = ({"selfcheck_content_threshold": 1.0, "view_rungs": rungs}
-                  if copies is not None else {"view_rungs": 0, "view_max_keep": None})
+        bound = cfg.view_max_keep
+        if bound is None:
+            bound = max(DEFAULT_VIEW_MAX_KEEP, cfg.keep_ratio)
+        wanted = ({"selfcheck_content_threshold": 1.0, "view_rungs": rungs,
+                   "view_max_keep": bound}
+                  if copies is not None else {"view_rungs": 0, "view_max_keep": 0.0})
         if any(getattr(cfg, key) != value for key, value in wanted.items()):
             self.config = cfg = cfg.replace(**wanted)
             self.method = build_method(cfg)
         if self.active and cfg.selfcheck:
-            then = ("decoding on that view" if cfg.view_max_keep is not None
-                    else "keeping full KV")
-            logger.info("sglang-unicache: %s at keep %.3g; self-check %s <= %.3g and content_lost"
-                        " <= %.3g, escalating up to keep %.3g before %s",
-                        cfg.method, cfg.keep_ratio, cfg.selfcheck_statistic,
-                        cfg.selfcheck_threshold, cfg.selfcheck_content_threshold,
-                        self.method.keep.top(), then)
+            logger.info("sglang-unicache: %s at keep %.3g; %s", cfg.method, cfg.keep_ratio,
+                        _ladder_line(cfg, self.method.keep))
         self.naming = SpanNaming.of(cfg)
         self.slots = Slots(self.allocator, self.on_slots_freed)
         self.outcomes = Outcomes(cfg, self.stats)
@@ -212,3 +217,14 @@ class Controller:
                 "method": self.config.method, "keep_ratio": self.config.keep_ratio,
                 "config": self.config.to_dict(),
                 "recent_checks": list(self.outcomes.recent_checks)}
+
+def _ladder_line(cfg: UniCacheConfig, keep: KeepRatio) -> str:
+    """The startup line's account of the self-check: what it checks and where its ladder ends."""
+    start, top = keep.start(), keep.top()
+    if keep.bounded and start >= top:
+        return (f"each request's own view at keep {start:.3g} (view_max_keep "
+                f"{cfg.view_max_keep:.3g}), the top of its ladder: decoded unchecked")
+    then = "decoding on that view" if keep.bounded else "keeping full KV"
+    return (f"self-check {cfg.selfcheck_statistic} <= {cfg.selfcheck_threshold:.3g} and "
+            f"content_lost <= {cfg.selfcheck_content_threshold:.3g}, escalating up to keep "
+            f"{top:.3g} before {then}")

@@ -47,6 +47,10 @@ FLAGS = (
          "exact or off."),
     Flag("--unicache-host-copy-gb", "host_copy_gb", float,
          "Host memory the copies may hold, GiB per scheduler; 0 turns them off."),
+    Flag("--unicache-view-max-keep", "view_max_keep", float,
+         "With host copies: the largest share of its image a request's own view decodes on "
+         "(default 0.15, or the keep ratio if larger); 0: no bound, the self-check's ladder "
+         "up to full KV."),
 )
 CONFIG_FLAG = "--unicache-config"
 ENABLE_FLAG = "--unicache"

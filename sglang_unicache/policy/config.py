@@ -83,6 +83,10 @@ def doc(default: Any, meaning: str = "", *, section: str | None = None) -> Any:
 # bundled model's 300 long answers a view of 9 entries of 64 (one sqrt 2 rung above keep 0.1)
 # answered 99.3% against 94.7% at 6 (docs/selfcheck.md, "The escalation ladder").
 DEFAULT_VIEW_RUNGS = 1
+# The largest share of its image a request's own view is planned at when host copies are on:
+# on both trained models no view the check climbed past 0.141 answered better for it, and the
+# grid model's checks climbed 30 of 192 views past it (docs/selfcheck.md, "A bound on the view").
+DEFAULT_VIEW_MAX_KEEP = 0.15
 
 
 @dataclass(frozen=True)
@@ -242,13 +246,13 @@ class UniCacheConfig:
         "request's own view is planned at (keep 0.1, 1 rung: 0.141, within 0.15x of the image); "
         "its span rests at keep_ratio. None: 1 in the server with host copies and the "
         "self-check on, else 0 (the policy alone: 0)")
-    # A bound on the view instead of a guard: on both trained models no view the check climbed
-    # past 0.141 answered better for it (docs/selfcheck.md, "A bound on the view").
+    # A bound on the view instead of a guard (DEFAULT_VIEW_MAX_KEEP).
     view_max_keep: float | None = doc(
         None, "with host copies: the largest share of its image a request's own view is planned "
         "at; the ladder takes no rung above it, and a view that cannot climb decodes on what it "
         "has, unchecked (its first token saw the whole image; its span rests at keep_ratio). "
-        "None: the ladder up to escalate_max_keep, then full KV")
+        "None: 0.15 (or keep_ratio if larger) in the server with host copies, else no bound; "
+        "0: no bound (the ladder up to escalate_max_keep, then full KV)")
     rest_at_keep_ratio: bool = doc(
         True, "once no request uses it, a span the self-check escalated goes back to "
         "keep_ratio x N entries when its image has a host copy (the copy serves later "
@@ -322,7 +326,7 @@ class UniCacheConfig:
         if self.view_rungs is not None:
             _int_range("view_rungs", self.view_rungs, 0, 64)
         if self.view_max_keep is not None:
-            _unit("view_max_keep", self.view_max_keep, low_open=True)
+            _unit("view_max_keep", self.view_max_keep)
         if not (isinstance(self.escalate_factor, (int, float))
                 and math.isfinite(self.escalate_factor) and self.escalate_factor > 1):
             raise ValueError(
@@ -341,7 +345,7 @@ class UniCacheConfig:
             raise ValueError(
                 f"unicache config: host_copy_gb must be >= 0, got {self.host_copy_gb!r}")
         _choice("layer_fill", self.layer_fill, LAYER_FILLS)
-        if self.view_max_keep is not None and self.view_max_keep < self.keep_ratio:
+        if self.view_max_keep and self.view_max_keep < self.keep_ratio:
             raise ValueError(
                 f"unicache config: view_max_keep ({self.view_max_keep}) must be >= keep_ratio "
                 f"({self.keep_ratio}): a view is never planned below the keep ratio"

@@ -35,7 +35,7 @@ class KeepRatio:
     escalate_max_keep: float = 0.4
     escalate_factor: float = 2**0.5
     view_rungs: int | None = None  # None: 0 (the engine resolves it with host copies)
-    view_max_keep: float | None = None  # None: no bound (the engine keeps it with host copies)
+    view_max_keep: float | None = None  # None or 0: no bound (the engine sets it with host copies)
     recompress_factor: float = 0.5
     recompress_floor: float = 0.02
 
@@ -55,14 +55,14 @@ class KeepRatio:
     def bounded(self) -> bool:
         """Whether the plan is a view under ``view_max_keep``: at the top of its ladder it
         decodes on what it has instead of falling back to the full KV."""
-        return self.view_max_keep is not None
+        return bool(self.view_max_keep)
 
     def can_escalate(self, keep: float) -> bool:
         """Whether a level above ``keep`` exists: below the cap and, with ``view_max_keep``,
         a next rung within that bound (a rung that would pass it is not taken)."""
         if keep >= self.escalate_max_keep:
             return False
-        return (self.view_max_keep is None
+        return (not self.view_max_keep
                 or self.escalated(keep) <= self.view_max_keep * (1 + 1e-9))
 
     def escalated(self, keep: float) -> float:

@@ -180,7 +180,7 @@ def chunked(nocheck_config: str) -> tuple[str, ...]:
 def test_self_check_failure_falls_back_to_full_kv(server_factory, stock, tmp_path_factory,
                                                   nocheck_config):
     strict = tmp_path_factory.mktemp("cfg") / "strict.json"
-    strict.write_text('{"selfcheck_threshold": 1e-12}')
+    strict.write_text('{"selfcheck_threshold": 1e-12, "view_max_keep": 0}')  # the full ladder
     flags = ("--unicache", "--unicache-method", "knorm", "--unicache-keep-ratio", "0.1",
              "--unicache-config", str(strict))
     server_factory.prefetch(flags, chunked(nocheck_config))  # the next test's server too

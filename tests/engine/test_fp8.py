@@ -31,8 +31,9 @@ def test_a_float8_pool_compresses_and_reuses(server_factory, nocheck_config):
 def test_float8_adds_no_self_check_failures_of_its_own(server_factory):
     """The shipped defaults (self-check on) with and without an fp8 pool, the same image: the
     check reaches the same verdict at the same keep ratio and measures about the same KL
-    (eviction keeps the stored values; only the pool's own rounding differs)."""
-    flags = ("--unicache", "--unicache-keep-ratio", "0.25")
+    (eviction keeps the stored values; only the pool's own rounding differs). The view is left
+    unbounded, so the check runs: at keep 0.25 the bound would leave it nothing to check."""
+    flags = ("--unicache", "--unicache-keep-ratio", "0.25", "--unicache-view-max-keep", "0")
     server_factory.prefetch(flags, (*flags, "--kv-cache-dtype", "fp8_e4m3"))
     checks = []
     for server in (server_factory(*flags), server_factory(*flags, "--kv-cache-dtype", "fp8_e4m3")):

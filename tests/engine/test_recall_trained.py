@@ -34,21 +34,26 @@ def test_later_questions_answer_as_stock_with_exact_copies(model, server_factory
 
 
 def readme_square() -> bytes:
-    """The README's example image: a plain blue square, whose check escalates once as shipped."""
+    """The README's example image: a plain blue square, whose second question's check fails at
+    its first rung (keep 0.141)."""
     out = io.BytesIO()
     Image.new("RGB", (224, 224), (30, 30, 200)).save(out, "PNG")
     return out.getvalue()
 
 
 def test_an_escalated_span_rests_at_the_keep_ratio_and_keeps_its_chat(server_factory, tmp_path):
-    """As shipped, the README's blue square's first question decodes on a view of 9 entries
-    (keep 0.141, the ladder's first rung: ``view_rungs``), which passes the check. Once the
-    request is done the device keeps round(0.1 x 64) = 6 entries: the host copy serves later
-    questions over the whole image. The chat's first turn stays cached behind the span, so the
-    next turn recalls it as history."""
+    """With the ladder unbounded (``view_max_keep: 0``) the README's blue square's first
+    question decodes on a view of 9 entries (keep 0.141, the ladder's first rung:
+    ``view_rungs``), which passes the check; its second question's check fails there and
+    climbs to 13. Once each request is done the device keeps round(0.1 x 64) = 6 entries: the
+    host copy serves later questions over the whole image. The chat's first turn stays cached
+    behind the span, so the next turn recalls it as history."""
     server_factory.make_room(1)
+    config = tmp_path / "unbounded.json"
+    config.write_text('{"view_max_keep": 0}')
     server = start_server(CHECKPOINTS / "tiny-vqa-qwen2-vl",
-                          ["--unicache", "--enable-cache-report"], tmp_path / "shipped.log")
+                          ["--unicache", "--unicache-config", str(config),
+                           "--enable-cache-report"], tmp_path / "unbounded.log")
     try:
         first = image_chat(readme_square(), "what colour is the square?", max_tokens=8)
         reply = chat(server, first)
@@ -65,7 +70,7 @@ def test_an_escalated_span_rests_at_the_keep_ratio_and_keeps_its_chat(server_fac
         state = internal_state(server)["unicache"]
         assert state["spans_recalled"] == 1 and state["recall_history_tokens"] > 0
         assert state["images_prefilled"] == 1  # the image was encoded once
-        # the README's numbers: its own view climbs from 9 entries to 13, one escalation in all
+        # its own view climbs from 9 entries to 13, one escalation in all
         assert round(state["recent_checks"][-1]["keep_ratio"] * 64) == 13
         assert state["escalations"] == 1
         assert state["compressed_slots_held"] == 6  # the recalled view left with its request
@@ -82,7 +87,7 @@ def test_a_view_planned_above_the_keep_ratio_rests_at_it(copies, view_entries, s
     the view is the span later questions share, so it is planned at the keep ratio."""
     server_factory.make_room(1)
     config = tmp_path / "view.json"
-    config.write_text('{"selfcheck_threshold": 1e9}')  # no escalation
+    config.write_text('{"selfcheck_threshold": 1e9, "view_max_keep": 0}')  # checked, passing
     server = start_server(CHECKPOINTS / "tiny-vqa-qwen2-vl",
                           ["--unicache", "--unicache-config", str(config),
                            "--unicache-host-copies", copies], tmp_path / "view.log")
@@ -98,16 +103,14 @@ def test_a_view_planned_above_the_keep_ratio_rests_at_it(copies, view_entries, s
         server.stop()
 
 
-def test_a_bounded_view_decodes_within_its_bound(server_factory, tmp_path):
-    """``view_max_keep`` 0.15: the blue square's second question, whose view climbs from 9
-    entries to 13 as shipped (above), takes no rung past 0.15x of the image: it decodes on 9
-    entries, unchecked at the top of its ladder, and never falls back."""
+def test_as_shipped_a_view_decodes_within_its_bound(server_factory, tmp_path):
+    """The shipped ``view_max_keep`` (0.15 with host copies): the blue square's second question,
+    whose view climbs from 9 entries to 13 on the unbounded ladder (above), takes no rung past
+    0.15x of the image: it decodes on 9 entries, unchecked at the top of its ladder, and never
+    falls back; the first question keeps its chat, so the second recalls it as history."""
     server_factory.make_room(1)
-    config = tmp_path / "bounded.json"
-    config.write_text('{"view_max_keep": 0.15}')
     server = start_server(CHECKPOINTS / "tiny-vqa-qwen2-vl",
-                          ["--unicache", "--unicache-config", str(config),
-                           "--enable-cache-report"], tmp_path / "bounded.log")
+                          ["--unicache", "--enable-cache-report"], tmp_path / "shipped.log")
     try:
         first = image_chat(readme_square(), "what colour is the square?", max_tokens=8)
         reply = chat(server, first)
@@ -118,6 +121,7 @@ def test_a_bounded_view_decodes_within_its_bound(server_factory, tmp_path):
         chat(server, first)
         state = internal_state(server)["unicache"]
         assert state["spans_recalled"] == 1 and state["images_prefilled"] == 1
+        assert state["recall_history_tokens"] > 0
         assert state["slots_freed"] - before["slots_freed"] == 64 - 9  # 9 entries, not 13
         assert state["escalations"] == 0 and state["fallbacks"] == 0
         assert state["recent_checks"] == []  # at the top of its ladder nothing is checked

@@ -39,7 +39,7 @@ def test_defaults_are_seed_8_1() -> None:
         ("escalate_max_keep", 0.0),
         ("escalate_factor", 1.0),
         ("view_rungs", -1),
-        ("view_max_keep", 0.0),
+        ("view_max_keep", -0.1),
         ("view_max_keep", 1.5),
         ("escalate_factor", float("inf")),
         ("min_image_tokens", 0),
@@ -62,6 +62,7 @@ def test_cross_field_checks() -> None:
         UniCacheConfig(dynamic_rate_min=0.7, dynamic_rate_max=0.5)
     with pytest.raises(ValueError, match="view_max_keep"):
         UniCacheConfig(keep_ratio=0.25, view_max_keep=0.15)
+    UniCacheConfig(keep_ratio=0.25, view_max_keep=0)  # 0: no bound, whatever the keep ratio
 
 
 def test_unknown_method_lists_known() -> None:

@@ -45,7 +45,9 @@ def test_a_bounded_view_takes_no_rung_above_its_bound():
     # a bound above the cap: the cap still ends the ladder; a start above the bound stays
     assert ladder(KeepRatio(keep_ratio=0.1, view_max_keep=1.0))[-1] == 0.4
     assert KeepRatio(keep_ratio=0.3, view_max_keep=0.15).top() == 0.3
-    assert not KeepRatio(keep_ratio=0.1).bounded and KeepRatio(keep_ratio=0.1).top() == 0.4
+    for unbounded in (None, 0.0):  # the policy alone, and the server without host copies
+        keep = KeepRatio(keep_ratio=0.1, view_max_keep=unbounded)
+        assert not keep.bounded and keep.top() == 0.4
 
 
 def test_hopeless_levels_are_skipped_but_the_cap_is_always_planned():
