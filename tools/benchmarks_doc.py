@@ -79,10 +79,13 @@ cached prefix computes the new rows only (`platform/cpu/extend_attention.py`, as
 does); a table whose caption does not say so ran SGLang's own `torch_native` extend, which
 recomputes the cached prefix's attention: prefix `UNICACHE_CPU_EXTEND_ROWS=0` to its command to
 reproduce it. "Defaults as shipped" is `--unicache`
-and nothing else (method `unicache`, keep 0.1, the self-check on); wherever a part measured them
-they have their own row. The random-weight models of the performance parts are not the trained
-ones: their attention says nothing about quality, and the self-check escalates on them where it
-does not on the trained model. No GPU numbers yet:
+and nothing else (method `unicache`, keep 0.1, the self-check on, each request's view bounded at
+0.15x of its image); wherever a part measured them they have their own row. The bound is the
+default since commit a609a28: a "defaults as shipped" row stamped before it ran the view's ladder
+unbounded (what `view_max_keep: 0` gives now) unless it says otherwise, and "Defaults as shipped"
+lists the tables re-run with it. The random-weight models of the performance parts are not the
+trained ones: their attention says nothing about quality, and the unbounded ladder's self-check
+escalated on them where it does not on the trained model. No GPU numbers yet:
 the same scripts run on one with `SGLANG_PLATFORM= make bench` and `SGLANG_PLATFORM= make
 quality` (an empty `SGLANG_PLATFORM` lets SGLang pick CUDA), and `make gpu-check` checks every
 attention backend there in one command (`benchmarks/gpu_check.py`; its dry run is tested here).
