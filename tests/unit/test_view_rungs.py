@@ -13,6 +13,7 @@ from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 
 from sglang_unicache.engine.controller import Controller  # noqa: E402
+from sglang_unicache.engine.flags import UniCacheFlagError, build_config  # noqa: E402
 from sglang_unicache.policy.config import UniCacheConfig  # noqa: E402
 
 
@@ -59,3 +60,13 @@ def test_the_view_is_bounded_only_with_host_copies(config, bound, top):
     assert controller.config.view_max_keep == pytest.approx(bound)
     assert controller.method.keep.bounded == (bound > 0)
     assert controller.method.keep.top() == pytest.approx(top)
+
+
+def test_the_view_bound_flag_is_validated_in_one_line():
+    assert build_config(True, None, {}).view_max_keep is None  # resolved by the server: 0.15
+    assert build_config(True, None, {"view_max_keep": "0"}).view_max_keep == 0.0
+    assert build_config(True, None, {"view_max_keep": "0.2"}).view_max_keep == 0.2
+    with pytest.raises(UniCacheFlagError, match="--unicache-view-max-keep: .*view_max_keep"):
+        build_config(True, None, {"view_max_keep": "1.5"})
+    with pytest.raises(UniCacheFlagError, match="--unicache-view-max-keep: .*>= keep_ratio"):
+        build_config(True, None, {"view_max_keep": "0.05"})
