@@ -218,6 +218,7 @@ class Controller:
                 "config": self.config.to_dict(),
                 "recent_checks": list(self.outcomes.recent_checks)}
 
+
 def _ladder_line(cfg: UniCacheConfig, keep: KeepRatio) -> str:
     """The startup line's account of the self-check: what it checks and where its ladder ends."""
     start, top = keep.start(), keep.top()
