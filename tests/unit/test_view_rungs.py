@@ -24,6 +24,14 @@ class Tree:
         self.recall = recall
 
 
+def controller_for(config: dict, tree: Tree) -> Controller:
+    """A controller over a small real SGLang pool, as the scheduler builds it at start-up."""
+    pool = MHATokenToKVPool(64, 1, torch.float32, 2, 8, 2, "cpu", False)
+    allocator = TokenToKVPoolAllocator(64, torch.float32, "cpu", pool, need_sort=False)
+    return Controller(UniCacheConfig(**config), torch.zeros(2, 64, dtype=torch.int32), pool,
+                      allocator, tree=tree)
+
+
 @pytest.mark.parametrize("config,copies,rungs", [
     ({}, True, 1),  # the defaults: keep 0.1 -> a view of keep 0.141
     ({"selfcheck": False}, True, 0),  # the user asked for exactly keep_ratio
@@ -34,11 +42,8 @@ class Tree:
     ({"method": "knorm"}, False, 0),  # no copies: its entries do not follow the question
 ])
 def test_the_view_starts_a_rung_up_only_with_host_copies_and_the_check(config, copies, rungs):
-    pool = MHATokenToKVPool(64, 1, torch.float32, 2, 8, 2, "cpu", False)
-    allocator = TokenToKVPoolAllocator(64, torch.float32, "cpu", pool, need_sort=False)
     tree = Tree()
-    controller = Controller(UniCacheConfig(**config), torch.zeros(2, 64, dtype=torch.int32),
-                            pool, allocator, tree=tree)
+    controller = controller_for(config, tree)
     assert (tree.recall is not None) == copies
     assert controller.config.view_rungs == rungs
     assert controller.method.keep.start() == pytest.approx(0.1 * 2 ** (rungs / 2))
@@ -53,10 +58,7 @@ def test_the_view_starts_a_rung_up_only_with_host_copies_and_the_check(config, c
     ({"host_copies": "off"}, 0.0, 0.4),  # the view is the span later questions share
 ])
 def test_the_view_is_bounded_only_with_host_copies(config, bound, top):
-    pool = MHATokenToKVPool(64, 1, torch.float32, 2, 8, 2, "cpu", False)
-    allocator = TokenToKVPoolAllocator(64, torch.float32, "cpu", pool, need_sort=False)
-    controller = Controller(UniCacheConfig(**config), torch.zeros(2, 64, dtype=torch.int32),
-                            pool, allocator, tree=Tree())
+    controller = controller_for(config, Tree())
     assert controller.config.view_max_keep == pytest.approx(bound)
     assert controller.method.keep.bounded == (bound > 0)
     assert controller.method.keep.top() == pytest.approx(top)
