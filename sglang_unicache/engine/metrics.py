@@ -22,6 +22,8 @@ COUNTERS = {
     "host_copies_evicted": "Host copies dropped for the host byte budget (least recently used)",
     "fallbacks": "Requests whose self-check failed at the escalation cap; full KV kept",
     "escalations": "Keep-ratio rungs climbed after a failed self-check",
+    "views_unchecked": "Requests whose view was planned at the top of its bounded ladder "
+                       "(view_max_keep): decoded without a self-check",
     "errors": "Compressions that raised an error (on any tensor-parallel rank); full KV kept",
     "capture_missed": "Prefills whose attention ran past the query hook; full KV kept",
     "rank_disagreements": "Compressions the tensor-parallel ranks did not do alike",

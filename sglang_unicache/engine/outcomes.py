@@ -34,6 +34,8 @@ class Outcomes:
         """A plan's self-check: its escalations counted, its verdict kept and recorded."""
         self.stats.escalations += plan.escalations
         check = plan.selfcheck
+        if check is not None and check.at_bound:
+            self.stats.views_unchecked += 1
         if check is not None and check.checked:
             self.recent_checks.append({
                 "rid": rid, "statistic": check.statistic, "value": check.value,

@@ -13,6 +13,7 @@ class Stats:
     slots_freed: int = 0
     fallbacks: int = 0  # requests whose self-check failed even at escalate_max_keep: full KV kept
     escalations: int = 0  # keep-ratio rungs climbed after a failed self-check
+    views_unchecked: int = 0  # requests planned at the top of their bounded ladder: no check
     errors: int = 0  # compressions that raised (on any tensor-parallel rank): full KV kept
     capture_missed: int = 0  # prefills whose attention ran past the query hook: full KV kept
     rank_disagreements: int = 0  # --tp-size: compressions the ranks did not do alike

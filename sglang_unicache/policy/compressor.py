@@ -241,7 +241,7 @@ class Method:
             # A view at the top of its bounded ladder decodes on this plan whatever the check
             # says: there is nothing left to decide, so nothing is computed.
             plan(layers)
-            return drafts, check.unchecked()
+            return drafts, check.unchecked(at_bound=True)
         kl = None
         if self.keep.can_escalate(keep) and check.decided_by_kl:
             kl = check.kl_check(ctx, drafts, plan_layer=lambda li: plan((li,)))

@@ -103,6 +103,9 @@ class SelfCheckResult(Serial):
     passed: bool
     stats: dict[str, float] = field(default_factory=dict)
     content_threshold: float | None = None  # ``content_lost`` passes at or below it
+    # Not computed because the plan sat at the top of its bounded ladder (``view_max_keep``):
+    # it is decoded whatever a check would say.
+    at_bound: bool = False
 
     @property
     def kl(self) -> float:

@@ -125,6 +125,7 @@ def test_as_shipped_a_view_decodes_within_its_bound(server_factory, tmp_path):
         assert state["slots_freed"] - before["slots_freed"] == 64 - 9  # 9 entries, not 13
         assert state["escalations"] == 0 and state["fallbacks"] == 0
         assert state["recent_checks"] == []  # at the top of its ladder nothing is checked
+        assert state["views_unchecked"] == 2  # both questions' views, counted for /metrics
         assert state["compressed_slots_held"] == 6
         assert state["integrity"] == []
     finally:

@@ -184,6 +184,7 @@ def test_a_bounded_view_climbs_within_its_bound_and_never_falls_back(monkeypatch
     assert bounded.keep_ratio == pytest.approx(0.05 * 2**1.5)
     assert {p.physical_slots for p in bounded.image_plans()} == {round(0.05 * 2**1.5 * 50)}
     assert bounded.selfcheck.passed and not bounded.selfcheck.checked  # the top is not checked
+    assert bounded.selfcheck.at_bound and not unbounded.selfcheck.at_bound
     # a view that starts at the top of its ladder computes no check at all
     def no_attention(*args, **kwargs):
         raise AssertionError("the check ran at the top of a bounded ladder")
@@ -191,7 +192,7 @@ def test_a_bounded_view_climbs_within_its_bound_and_never_falls_back(monkeypatch
     monkeypatch.setattr(selfcheck, "reference_attention", no_attention)
     top = _bad_scorer_method(cfg.replace(keep_ratio=0.1, view_rungs=1,
                                          view_max_keep=0.15)).plan(inp)
-    assert not top.fallback and top.escalations == 0
+    assert not top.fallback and top.escalations == 0 and top.selfcheck.at_bound
     assert top.keep_ratio == pytest.approx(0.1 * 2**0.5)
 
 

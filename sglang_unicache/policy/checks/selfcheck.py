@@ -328,9 +328,11 @@ class SelfCheck:
     content_threshold: float = 0.15
     all_statistics: bool = False
 
-    def unchecked(self, layers: tuple[int, ...] = ()) -> SelfCheckResult:
-        """The passing result of a check that saw nothing (identity plan, no valid query)."""
-        return SelfCheckResult(self.statistic, 0.0, self.threshold, layers, False, True)
+    def unchecked(self, layers: tuple[int, ...] = (), at_bound: bool = False) -> SelfCheckResult:
+        """The passing result of a check that saw nothing (identity plan, no valid query) or
+        was not computed (``at_bound``: the plan is at the top of its bounded ladder)."""
+        return SelfCheckResult(self.statistic, 0.0, self.threshold, layers, False, True,
+                               at_bound=at_bound)
 
     def content_hopeless(self, ctx, span_counts: list[tuple]) -> bool:
         """True when no plan keeping these counts (``content_floor``) can pass the
