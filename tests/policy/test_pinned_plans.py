@@ -162,6 +162,19 @@ def test_raster_redundancy_matches_its_definition() -> None:
         assert torch.equal(signals.raster_redundancy(x[layer], run, 4), got[layer])
 
 
+def test_raster_redundancy_in_chunks_is_one_product_per_offset(monkeypatch) -> None:
+    """The dot products taken ``RASTER_CHUNK`` tokens at a time give exactly the numbers of one
+    product over every token."""
+    g = torch.Generator().manual_seed(4)
+    x = signals.unit_kv(torch.randn(3, 700, 2, 16, generator=g),
+                        torch.randn(3, 700, 2, 16, generator=g))
+    run = torch.zeros(700, dtype=torch.long)
+    run[130:645] = 1
+    chunked = signals.raster_redundancy(x, run, 4)
+    monkeypatch.setattr(signals, "RASTER_CHUNK", 1 << 20)
+    assert torch.equal(chunked, signals.raster_redundancy(x, run, 4))
+
+
 def test_merge_gather_matches_its_definition() -> None:
     """Entries of one member are exact copies; an entry of several is the weighted mean of its
     members, rescaled to their weighted mean norm."""
