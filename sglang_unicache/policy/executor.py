@@ -66,6 +66,10 @@ def execute(
     are the dequantized values (what attention will see) and the payload is attached.
     """
     mode = plan.quantization if quantization is None else quantization
+    if mode == "off":
+        stacked = execute_stacked(plan, keys, values, span_local)
+        if stacked is not None:
+            return stacked
     ks, vs, qk, qv = [], [], [], []
     for li, lp in enumerate(plan.layers):
         k, v = execute_layer(
@@ -81,3 +85,38 @@ def execute(
     if mode == "off":
         return CompressedKV(ks, vs)
     return CompressedKV(ks, vs, qk, qv)
+
+
+def execute_stacked(
+    plan: CompressionPlan,
+    keys: Sequence[Tensor] | Tensor,
+    values: Sequence[Tensor] | Tensor,
+    span_local: bool | None = None,
+) -> CompressedKV | None:
+    """``execute`` of a span whose layers all merge and keep the same count (``layer_fill``
+    "next", the server's setting), in one ``merge_gather`` call: the layers side by side as
+    heads. Each entry's sum is the same sequence of additions whatever the other heads hold,
+    so the entries are exactly the per-layer ones, in one call instead of one per layer (a
+    span's small gathers and sums cost their dispatch more than their work). None where the
+    per-layer path must run (head merging, an eviction-only layer, counts that differ, every
+    token kept)."""
+    layers = plan.layers
+    if not layers or any(not lp.merges or lp.head_map is not None for lp in layers):
+        return None
+    shape = layers[0].kept.shape
+    if any(lp.kept.shape != shape for lp in layers):
+        return None
+    ks = [span_slice(plan, keys[li], span_local) for li in range(len(layers))]
+    vs = [span_slice(plan, values[li], span_local) for li in range(len(layers))]
+    n, h, d = ks[0].shape
+    if shape[1] == n or any(x.shape != ks[0].shape or x.dtype != ks[0].dtype
+                            for x in (*ks, *vs)):
+        return None
+    x = torch.stack([torch.stack(ks, 1), torch.stack(vs, 1)], 3)  # [N, L, H, 2, D]
+    kv = merge_gather(x.view(n, len(layers) * h, 2, d),
+                      torch.cat([lp.kept for lp in layers]),
+                      torch.cat([lp.assign for lp in layers]),
+                      torch.cat([lp.weight for lp in layers]))
+    kv = kv.view(shape[1], len(layers), h, 2, d)
+    return CompressedKV([kv[:, li, :, 0].contiguous() for li in range(len(layers))],
+                        [kv[:, li, :, 1].contiguous() for li in range(len(layers))])

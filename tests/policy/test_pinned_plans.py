@@ -202,6 +202,30 @@ def test_merge_gather_matches_its_definition() -> None:
             torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_span_merged_in_one_call_is_merged_layer_by_layer(dtype) -> None:
+    """``execute`` merges every layer of a span in one ``merge_gather`` call (the layers side by
+    side as heads) where they keep the same count: each entry bit for bit what its own layer's
+    ``execute_layer`` gives."""
+    from sglang_unicache.policy.executor import execute, execute_layer, execute_stacked
+
+    inp = make_inputs(layers=4, dtype=dtype)
+    method = build_method(UniCacheConfig(keep_ratio=0.2, selfcheck=False, layer_fill="next"))
+    for span_plan in method.plan(inp).spans:
+        assert execute_stacked(span_plan, inp.keys, inp.values) is not None
+        assert any(lp.num_merged for lp in span_plan.layers)  # the merge path, not copies
+        got = execute(span_plan, inp.keys, inp.values)
+        sl = slice(span_plan.span.start, span_plan.span.end)
+        for li, lp in enumerate(span_plan.layers):
+            k, v = execute_layer(lp, inp.keys[li][sl], inp.values[li][sl])
+            assert torch.equal(got.keys[li], k) and torch.equal(got.values[li], v)
+    # counts that differ between layers (AirCache's budgets, no fill) take the per-layer path
+    uneven = build_method(UniCacheConfig(keep_ratio=0.2, selfcheck=False, budget="aircache",
+                                         layer_fill="none")).plan(inp).spans[0]
+    assert len({lp.num_kept for lp in uneven.layers}) > 1
+    assert execute_stacked(uneven, inp.keys, inp.values) is None
+
+
 def test_reference_attention_from_kept_logits_equals_the_chunked_passes() -> None:
     """The self-check's full and rest-of-request attention sliced from the context's logits
     equal the two chunked passes, also when some observation queries are left out; without
