@@ -82,11 +82,12 @@ class HostCopies:
             self.copies.move_to_end(key)
         return copy
 
-    def pack(self, layer: torch.Tensor) -> torch.Tensor:
-        """One layer's ``[N, H, D]`` K or V as stored (on the host)."""
-        layer = layer.detach()
-        packed = pack_host_rows(layer, 8) if self.quantized else layer.to(self.dtype)
-        return packed.to("cpu", copy=True).contiguous()
+    def pack(self, layers: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each layer's ``[N, H, D]`` K or V as stored (on the host), packed in one pass over the
+        layers stacked: each row is packed on its own, so the rows are those of a layer alone."""
+        stacked = torch.stack([layer.detach() for layer in layers])  # a copy, never the pool
+        packed = pack_host_rows(stacked, 8) if self.quantized else stacked.to(self.dtype)
+        return list(packed.to("cpu").unbind(0))
 
     def put(self, key: HostKey, keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
         """Keep a packed copy (``pack``'s output per layer); older copies leave for the budget.

@@ -115,8 +115,8 @@ class Recall:
             return PendingCopy(key, None, None)
         index = row[start:end].to(torch.int64)
         k_buffers, v_buffers = pool_buffers(self.kv_pool)
-        return PendingCopy(key, [self.copies.pack(read_entries(b, index)) for b in k_buffers],
-                           [self.copies.pack(read_entries(b, index)) for b in v_buffers])
+        return PendingCopy(key, self.copies.pack([read_entries(b, index) for b in k_buffers]),
+                           self.copies.pack([read_entries(b, index) for b in v_buffers]))
 
     def keep(self, pending: PendingCopy | None) -> HostKey | None:
         """Store a copy ``take`` packed once its compression holds. The key of the image's copy

@@ -23,13 +23,13 @@ def layers(seed: int) -> list[torch.Tensor]:
 
 def put(copies: HostCopies, name: int) -> None:
     keys, values = layers(name), layers(name + 100)
-    copies.put(("ns", name), [copies.pack(t) for t in keys], [copies.pack(t) for t in values])
+    copies.put(("ns", name), copies.pack(keys), copies.pack(values))
 
 
 def test_int8_copies_round_trip_within_half_a_step_and_take_their_bytes():
     copies = store(1 << 20)
-    (k,) = layers(0)[:1]
-    packed = copies.pack(k)
+    k = layers(0)[0]
+    (packed,) = copies.pack([k])
     assert packed.dtype == torch.uint8 and packed.shape == (N, H, host_row_bytes(D, 8))
     back = copies.unpack(packed, "cpu").float()
     step = k.float().abs().amax(dim=-1, keepdim=True) / 127
@@ -44,7 +44,20 @@ def test_int8_copies_round_trip_within_half_a_step_and_take_their_bytes():
 def test_exact_copies_are_bit_exact():
     copies = store(1 << 20, quantized=False)
     k = layers(3)[0]
-    assert torch.equal(copies.unpack(copies.pack(k), "cpu"), k)
+    assert torch.equal(copies.unpack(copies.pack([k])[0], "cpu"), k)
+
+
+@pytest.mark.parametrize("quantized", [True, False])
+def test_layers_packed_together_are_each_packed_alone(quantized):
+    """``pack`` takes every layer in one pass: each layer's rows are what it gives that layer
+    alone."""
+    copies = store(1 << 20, quantized=quantized)
+    ks = layers(5)
+    together = copies.pack(ks)
+    assert len(together) == LAYERS
+    for k, packed in zip(ks, together, strict=True):
+        (alone,) = copies.pack([k])
+        assert torch.equal(packed, alone) and packed.is_contiguous()
 
 
 def test_the_least_recently_used_copy_leaves_for_the_budget():
