@@ -104,13 +104,12 @@ def execute_stacked(
     if not layers or any(not lp.merges or lp.head_map is not None for lp in layers):
         return None
     shape = layers[0].kept.shape
-    if any(lp.kept.shape != shape for lp in layers):
-        return None
+    if shape[1] == plan.span.length or any(lp.kept.shape != shape for lp in layers):
+        return None  # decided before any layer is read (a pool's layers are gathered on read)
     ks = [span_slice(plan, keys[li], span_local) for li in range(len(layers))]
     vs = [span_slice(plan, values[li], span_local) for li in range(len(layers))]
     n, h, d = ks[0].shape
-    if shape[1] == n or any(x.shape != ks[0].shape or x.dtype != ks[0].dtype
-                            for x in (*ks, *vs)):
+    if any(x.shape != ks[0].shape or x.dtype != ks[0].dtype for x in (*ks, *vs)):
         return None
     x = torch.stack([torch.stack(ks, 1), torch.stack(vs, 1)], 3)  # [N, L, H, 2, D]
     kv = merge_gather(x.view(n, len(layers) * h, 2, d),
