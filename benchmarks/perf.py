@@ -460,7 +460,8 @@ def main() -> None:
                            for m in methods if m}
         results["streaming"] = streaming(stream_model, stream_servers, log_dir)
     if "concurrency" in parts:
-        results["concurrency"] = concurrency(model, servers, log_dir, max_batch=args.max_batch)
+        results["concurrency"] = concurrency(model, {**servers, **SHIPPED_ROW}, log_dir,
+                                             max_batch=args.max_batch)
     results["seconds"] = round(time.perf_counter() - start)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
