@@ -360,8 +360,8 @@ def main() -> None:
                              "server, stock included (e.g. --dtype float32 where the CPU has no "
                              "native bf16 matmul)")
     parser.add_argument("--shipped-set", default="",
-                        help="overhead-large and workload-large: one more row, the defaults as "
-                             "shipped with these config keys (JSON, e.g. "
+                        help="overhead-large, workload-large and streaming: one more row, "
+                             "the defaults as shipped with these config keys (JSON, e.g. "
                              "'{\"view_max_keep\": 0.15}')")
     parser.add_argument("--out", default="runs/perf.json")
     args = parser.parse_args()
@@ -453,7 +453,7 @@ def main() -> None:
         stream_servers = {"stock": ["--enable-cache-report"],
                           "stock, overlap scheduler off": ["--enable-cache-report",
                                                            "--disable-overlap-schedule"],
-                          **SHIPPED_ROW}
+                          **SHIPPED_ROW, **variants}
         methods = [m for m in known_methods() if m != "full"] \
             if args.streaming_methods == "all" else args.streaming_methods.split(",")
         stream_servers |= {f"unicache {m} keep 0.1, selfcheck off": flags_for(m, 0.1, config)

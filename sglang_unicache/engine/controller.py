@@ -33,6 +33,7 @@ from sglang_unicache.engine.compress import Compression
 from sglang_unicache.engine.host_copies import HostCopies
 from sglang_unicache.engine.kvpool import Slots
 from sglang_unicache.engine.outcomes import Outcomes
+from sglang_unicache.engine.parking import Parking
 from sglang_unicache.engine.radix_cache import SpanSettings
 from sglang_unicache.engine.recall import Recall
 from sglang_unicache.engine.request import state_of
@@ -70,6 +71,7 @@ class Controller:
     tp: TensorParallel = field(default_factory=TensorParallel)  # --tp-size: the ranks agree
     on_slots_freed: Callable[[], None] | None = None  # the scheduler's batch-is-full reset
     stats: Stats = field(default_factory=Stats)
+    parking: Parking | None = None  # overlap_compression on, in a loop that allows it
 
     def __post_init__(self) -> None:
         # A slot spans every layer, so every layer keeps the same number of entries: layers whose
@@ -164,12 +166,31 @@ class Controller:
     def prefills_for_compression(self) -> bool:
         return self.targets.prefills_for_compression()
 
+    def park_targets(self, batch) -> bool:
+        """With ``overlap_compression``: the compression targets of the extend batch now running
+        sit out the next build (``parking.py``); False where they are processed first instead
+        (``overlap.py``)."""
+        if self.parking is None:
+            return False
+        targets = [req for req in batch.reqs if self.targets.is_target(req)]
+
+        def take(req):
+            pending, capture = self.targets.take(req)
+            pending.batch = None  # out of that batch from the next build on: only req shrinks
+            return pending, capture
+
+        return self.parking.park(targets, take)
+
     def compresses(self, req) -> bool:
-        """Whether ``req``'s checkpoint compresses (it is a target of the batch in flight)."""
-        return self.targets.is_target(req)
+        """Whether ``req``'s checkpoint compresses (it is a target of the batch in flight, or
+        a parked one)."""
+        return self.targets.is_target(req) or (self.parking is not None
+                                               and self.parking.holds(req))
 
     def on_checkpoint(self, req) -> None:
         taken = self.targets.take(req)
+        if taken is None and self.parking is not None:
+            taken = self.parking.take(req)
         if taken is not None:
             self.compression.run(req, *taken)
 
@@ -184,6 +205,7 @@ class Controller:
         agreement, and the host copies' store and loads."""
         n = self.stats.rank_disagreements
         errors = [f"{n} compression(s) differed between tensor-parallel ranks"] if n else []
+        errors += self.parking.check() if self.parking is not None else []
         return errors + (self.recall.check() if self.recall is not None else [])
 
     def gauges(self) -> dict[str, float]:
@@ -202,6 +224,7 @@ class Controller:
         shrunk = self.tree.recompressed if self.tree is not None else None
         host = self.tree.host if self.tree is not None else None
         return {**self.stats.to_dict(),
+                "requests_parked": self.parking.parked_total if self.parking else 0,
                 "spans_recompressed": shrunk.spans if shrunk else 0,
                 "recompress_slots_freed": shrunk.slots_freed if shrunk else 0,
                 "spans_shrunk_at_rest": shrunk.at_rest if shrunk else 0,

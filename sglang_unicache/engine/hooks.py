@@ -131,7 +131,7 @@ def around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kw
     start = time.perf_counter()
     try:
         result = original(scheduler, batch, *args, **kwargs)
-        if STATE.capture is not None:
+        if STATE.capture is not None and not controller.park_targets(batch):
             STATE.overlap.compresses(result)
         return result
     finally:
@@ -142,12 +142,18 @@ def around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kw
 
 
 @hook(f"{_SCHEDULER}.get_next_batch_to_run", "AROUND")
-def around_get_next_batch_to_run(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+def around_get_next_batch_to_run(original: Any, scheduler: Any, running_batch: Any = None,
+                                 last_batch: Any = None) -> Any:
     """Overlap scheduler: compressing prefills' results are processed before the next batch is
-    built (``overlap.py``)."""
-    if STATE.controller is not None:
+    built (``overlap.py``), or, with ``overlap_compression``, their targets sit out this build
+    and come back at the next (``parking.py``)."""
+    controller = STATE.controller
+    if controller is not None:
         STATE.overlap.drain(scheduler)
-    return original(scheduler, *args, **kwargs)
+        if controller.parking is not None:
+            running_batch = controller.parking.rejoin(scheduler, running_batch)
+            controller.parking.exclude(last_batch, running_batch)
+    return original(scheduler, running_batch=running_batch, last_batch=last_batch)
 
 
 @hook(f"{_SCHEDULER}.process_batch_result", "AROUND")

@@ -24,6 +24,8 @@ COUNTERS = {
     "escalations": "Keep-ratio rungs climbed after a failed self-check",
     "views_unchecked": "Requests whose view was planned at the top of its bounded ladder "
                        "(view_max_keep): decoded without a self-check",
+    "requests_parked": "Compressing requests that sat out one batch (overlap_compression) "
+                       "instead of that batch waiting for their compression",
     "errors": "Compressions that raised an error (on any tensor-parallel rank); full KV kept",
     "capture_missed": "Prefills whose attention ran past the query hook; full KV kept",
     "rank_disagreements": "Compressions the tensor-parallel ranks did not do alike",

@@ -123,16 +123,16 @@ def original_position(position: int, records: list[Rewrite]) -> int:
 def shorten(req, batch, index: int, removed: int) -> None:
     """Every length of the request (batch entry ``index``) and of its batch, ``removed`` entries
     shorter (compaction; the new batch tensors are built first, so nothing is assigned unless
-    all of them could be)."""
+    all of them could be). ``batch`` None: the request is in no batch (``parking.py``)."""
     shorter = {}
-    for name in ("seq_lens", "seq_lens_cpu", "orig_seq_lens"):
+    for name in ("seq_lens", "seq_lens_cpu", "orig_seq_lens") if batch is not None else ():
         lens = getattr(batch, name, None)
         if lens is not None:
             shorter[name] = lens.clone()
             shorter[name][index] -= removed
     for name, lens in shorter.items():
         setattr(batch, name, lens)
-    if getattr(batch, "seq_lens_sum", None) is not None:
+    if batch is not None and getattr(batch, "seq_lens_sum", None) is not None:
         batch.seq_lens_sum -= removed
     req.extend_end -= removed
     req.kv.kv_committed_len -= removed

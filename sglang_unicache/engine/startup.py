@@ -15,6 +15,7 @@ from sglang_unicache.engine import flags, radix_cache
 from sglang_unicache.engine.controller import Controller
 from sglang_unicache.engine.kvpool import unwritable_pool
 from sglang_unicache.engine.metrics import Metrics
+from sglang_unicache.engine.parking import Parking, can_park
 from sglang_unicache.engine.scale.tensor_parallel import TensorParallel
 from sglang_unicache.engine.support import (
     local_hf_config,
@@ -77,6 +78,13 @@ def scheduler_controller(scheduler: Any) -> Controller | None:
         mrope=bool(scheduler.model_config.model_is_mrope),
         dp_rank=parallel.dp_rank or 0, tp=TensorParallel.of(scheduler),
         on_slots_freed=lambda: _room_made(scheduler))
+    if config.overlap_compression:
+        if can_park(scheduler):
+            controller.parking = Parking()
+        else:
+            logger.info("sglang-unicache: overlap_compression needs SGLang's overlap scheduler "
+                        "without speculative decoding or data-parallel attention; compressing "
+                        "prefills are processed before the next batch instead")
     _offsets_from_padding(scheduler)
     _warm_kernels(scheduler)
     logger.info("sglang-unicache: scheduler received config method=%s keep_ratio=%s "

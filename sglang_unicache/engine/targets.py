@@ -25,7 +25,8 @@ Span = tuple[int, int, int]  # (start, end, image pad id), end exclusive, in the
 
 @dataclass
 class Pending:
-    """A target of the extend batch in flight: its batch, its capture rows, its spans."""
+    """A target of the extend batch in flight: its batch (None once it is parked: it is
+    compressed out of every batch, ``parking.py``), its capture rows, its spans."""
 
     batch: object
     target: CaptureTarget

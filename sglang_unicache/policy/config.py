@@ -104,6 +104,11 @@ class UniCacheConfig:
     min_image_tokens: int = doc(16, "spans shorter than this are left uncompressed (ours)")
     dp_routing: bool = doc(True, "with --dp-size: a request with an image goes to the replica "
                                  "holding that image (docs/scale-out.md; false: SGLang's routing)")
+    overlap_compression: bool = doc(
+        False, "with SGLang's overlap scheduler: a request whose prefill compresses sits out the "
+        "next batch instead of that batch waiting for its compression, so the requests already "
+        "decoding meet its prefill and its compression as two steps, not one "
+        "(engine/parking.py; ours)")
     preset: str = doc("default", "seed §8.2 scenario; applied by from_mapping/preset()")
     scorer: str | None = doc(
         None, "override the method's scorer (composition), None = method default"

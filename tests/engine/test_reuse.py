@@ -111,6 +111,7 @@ def test_metrics_endpoint_counts_compression_and_reuse(server_factory, nocheck_c
 
     assert value("images_compressed") >= 1
     assert value("views_unchecked") == 0  # the check is off: no view sat at a bounded ladder's top
+    assert value("requests_parked") == 0  # overlap_compression is off by default
     assert value("slots_freed") >= IMAGE_TOKENS - KEPT
     assert value("spans_reused") >= 1
     assert value("fallbacks") == 0

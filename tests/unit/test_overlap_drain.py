@@ -25,7 +25,7 @@ class FakeScheduler:
             lambda s, b, r: s._process(b, r), self, batch, result)
 
     def get_next_batch_to_run(self):
-        def build(s):
+        def build(s, running_batch=None, last_batch=None):
             s.built.append(list(s.processed))  # what had been processed when the batch was built
 
         return hooks.around_get_next_batch_to_run(build, self)
@@ -37,7 +37,7 @@ class FakeScheduler:
 
 @pytest.fixture
 def state(monkeypatch):
-    monkeypatch.setattr(hooks, "STATE", hooks.PluginState(controller=SimpleNamespace()))
+    monkeypatch.setattr(hooks, "STATE", hooks.PluginState(controller=SimpleNamespace(parking=None)))
     return hooks.STATE
 
 
