@@ -168,8 +168,7 @@ class Controller:
 
     def park_targets(self, batch) -> bool:
         """With ``overlap_compression``: the compression targets of the extend batch now running
-        sit out the next build (``parking.py``); False where they are processed first instead
-        (``overlap.py``)."""
+        sit out the next build (``parking.py``); False where they are compressed at once."""
         if self.parking is None:
             return False
         targets = [req for req in batch.reqs if self.targets.is_target(req)]
@@ -180,6 +179,10 @@ class Controller:
             return pending, capture
 
         return self.parking.park(targets, take)
+
+    def parks(self, req) -> bool:
+        """Whether ``req`` is parked: its compression waits for the build after next."""
+        return self.parking is not None and self.parking.holds(req)
 
     def compresses(self, req) -> bool:
         """Whether ``req``'s checkpoint compresses (it is a target of the batch in flight, or

@@ -131,7 +131,8 @@ def around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kw
     start = time.perf_counter()
     try:
         result = original(scheduler, batch, *args, **kwargs)
-        if STATE.capture is not None and not controller.park_targets(batch):
+        if STATE.capture is not None:
+            controller.park_targets(batch)  # with overlap_compression
             STATE.overlap.compresses(result)
         return result
     finally:
@@ -145,12 +146,14 @@ def around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kw
 def around_get_next_batch_to_run(original: Any, scheduler: Any, running_batch: Any = None,
                                  last_batch: Any = None) -> Any:
     """Overlap scheduler: compressing prefills' results are processed before the next batch is
-    built (``overlap.py``), or, with ``overlap_compression``, their targets sit out this build
-    and come back at the next (``parking.py``)."""
+    built (``overlap.py``); with ``overlap_compression`` their targets sit out this build, and
+    are compressed and come back at the next (``parking.py``)."""
     controller = STATE.controller
     if controller is not None:
         STATE.overlap.drain(scheduler)
         if controller.parking is not None:
+            controller.parking.run_deferred()
+            controller.publish()
             running_batch = controller.parking.rejoin(scheduler, running_batch)
             controller.parking.exclude(last_batch, running_batch)
     return original(scheduler, running_batch=running_batch, last_batch=last_batch)
@@ -202,8 +205,14 @@ def around_checkpoint_kv_cache(original: Any, req: Any, tree_cache: Any, *args: 
             req.prefix_len = req.extend_end
             return None
         if STATE.after_stream is not None and controller.compresses(req):
-            STATE.after_stream.append(lambda: (_compress(req),
-                                               original(req, tree_cache, *args, **kwargs)))
+            def compress() -> None:
+                _compress(req)
+                original(req, tree_cache, *args, **kwargs)
+
+            if controller.parks(req):
+                controller.parking.defer(req, compress)
+            else:
+                STATE.after_stream.append(compress)
             return None
         _compress(req)
     return original(req, tree_cache, *args, **kwargs)

@@ -2,15 +2,16 @@
 one batch instead of that batch waiting for its compression.
 
 Without it, ``overlap.py`` processes a compressing prefill's result before the next batch is
-built, so the request joins the decode batch at its compacted length, and that batch waits for
-the compression: the requests already decoding meet the prefill and the compression as one stall.
-With it, the prefill's compression targets are parked (``park``, as the prefill runs): at the
-next build they are kept out of the batch SGLang merges into the running batch (``exclude``); the
-loop keeps its order (the next batch runs, then the prefill's result is processed: first tokens
-streamed, then each target compressed, ``compress.py``); and the build after that brings them
-back as one decode batch at the length compaction left (``rejoin``). The requests already
-decoding meet the prefill and the compression as two steps; a parked request's second token comes
-one step later.
+built and compresses its targets right after their first tokens are streamed, so the request
+joins the decode batch at its compacted length, and that batch waits for the compression: the
+requests already decoding meet the prefill and the compression in one gap between two of their
+tokens. With it, the prefill's targets are parked as it runs (``park``). The result is still
+processed before the next build, so their first tokens leave as early, but their compression
+(and their checkpoint into the tree) waits (``defer``); at that build they are kept out of the
+batch SGLang merges into the running batch (``exclude``), the next batch runs without them, and
+at the build after it they are compressed (``run_deferred``) and come back as one decode batch at
+the length compaction left (``rejoin``). The requests already decoding meet the prefill and the
+compression in two gaps; a parked request's second token comes one step later.
 
 A parked request is in no SGLang batch for one step: its slots are its own (not in the tree until
 its checkpoint), its first token waits in SGLang's relay buffer under its row, as every request's
@@ -22,6 +23,7 @@ compressed at once as without this (their sampling state is built from the batch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +56,9 @@ class Parking:
     # parked prefill's result after the next batch ran, and a next extend batch starts a new
     # set of targets.
     held: dict[str, tuple] = field(default_factory=dict)
+    # Their compressions (and checkpoints), by rid: deferred when their result is processed, run
+    # at the build after the one they sat out.
+    deferred: dict[str, Callable[[], None]] = field(default_factory=dict)
     parked_total: int = 0  # requests that sat out a step (``/server_info``: requests_parked)
 
     def park(self, reqs: list, take) -> bool:
@@ -77,6 +82,17 @@ class Parking:
         """The parked request's compression targets, once (its checkpoint)."""
         return self.held.pop(req.rid, None)
 
+    def defer(self, req, compress: Callable[[], None]) -> None:
+        """Its result processed: the parked request's compression and checkpoint wait."""
+        self.deferred[req.rid] = compress
+
+    def run_deferred(self) -> None:
+        """Before a build: the deferred compressions of the requests that sat out a batch."""
+        ready = [rid for rid in self.deferred
+                 if not _in_fresh(self.parked.get(rid), self.fresh)]
+        for rid in ready:
+            self.deferred.pop(rid)()
+
     def exclude(self, last_batch, running_batch) -> None:
         """Before the build that follows their prefill: the fresh parked requests leave the
         prefill batch SGLang is about to merge into ``running_batch``."""
@@ -91,10 +107,12 @@ class Parking:
 
     def rejoin(self, scheduler, running_batch):
         """Before a build: the parked requests whose prefill result was processed (their first
-        token is in ``output_ids``; compression ran right after it) go back into the running
-        batch, those it finished are dropped. Returns the running batch to build from."""
+        token is in ``output_ids``) and who were compressed (their targets taken, nothing
+        deferred) go back into the running batch, those their prefill finished are dropped.
+        Returns the running batch to build from."""
         done = [req for req in self.parked.values()
-                if req.output_ids and not _in_fresh(req, self.fresh)]
+                if req.output_ids and not _in_fresh(req, self.fresh)
+                and req.rid not in self.held and req.rid not in self.deferred]
         if not done:
             return running_batch
         for req in done:
@@ -112,12 +130,12 @@ class Parking:
         """``check_integrity`` lines: a request parked longer than the step it sits out."""
         stuck = [rid for rid, req in self.parked.items() if req.output_ids and req.finished()]
         lines = [f"parked request {rid} finished but still parked" for rid in stuck]
-        lost = [rid for rid in self.held if rid not in self.parked]
+        lost = [rid for rid in {*self.held, *self.deferred} if rid not in self.parked]
         return lines + [f"parked request {rid} left without its compression" for rid in lost]
 
 
 def _in_fresh(req, fresh: list) -> bool:
-    return any(r is req for r in fresh)
+    return req is not None and any(r is req for r in fresh)
 
 
 def decode_batch(scheduler, reqs: list):

@@ -71,11 +71,32 @@ def test_a_parked_request_sits_out_one_build_and_comes_back_after_its_result(bui
     assert [r.rid for r in running.reqs] == ["decoding"]
     assert scheduler.running_batch.batch_is_full is False  # room was made
 
-    # Its result is processed (first token; compression runs right after it): back next build.
+    # Its result was processed before that build (first token out), its compression deferred;
+    # at the next build it is compressed (its checkpoint takes its targets), then it is back.
     target.output_ids.append(7)
+    compressed = []
+    park.defer(target, lambda: compressed.append(park.take(target)))
+    park.run_deferred()
     running = park.rejoin(scheduler, running)
     assert [r.rid for r in running.reqs] == ["decoding", "target"]
-    assert park.parked == {} and park.parked_total == 1
+    assert compressed == [("targets of", "target")]
+    assert park.parked == {} and park.parked_total == 1 and park.check() == []
+
+
+def test_a_compression_deferred_at_the_build_it_sits_out_runs_at_the_next():
+    """The prefill's result is processed before the build after it (its first token leaves
+    then); its compression waits until that build has kept it out of a batch."""
+    target = Req("target")
+    park = Parking()
+    park.park([target], take_targets)
+    target.output_ids.append(3)
+    ran = []
+    park.defer(target, lambda: ran.append("compressed"))
+    park.run_deferred()
+    assert ran == []  # still fresh: this is the build it sits out
+    park.exclude(Batch([target]), Batch([], False))
+    park.run_deferred()
+    assert ran == ["compressed"] and park.deferred == {}
 
 
 def test_a_parked_request_keeps_its_targets_until_its_checkpoint_takes_them():
@@ -89,13 +110,12 @@ def test_a_parked_request_keeps_its_targets_until_its_checkpoint_takes_them():
     assert not park.holds(target) and park.take(target) is None
 
 
-def test_check_names_a_parked_request_that_left_without_its_compression(built):
+def test_check_names_a_parked_request_that_left_without_its_compression():
     target = Req("target")
     park = Parking()
     park.park([target], take_targets)
-    park.exclude(Batch([target]), Batch([], False))
-    target.output_ids.append(1)  # its result processed, but its checkpoint never took its targets
-    park.rejoin(SimpleNamespace(), Batch([], False))
+    park.defer(target, lambda: None)
+    del park.parked["target"]  # what a bug would leave: out of the parking, never compressed
     assert park.check() == ["parked request target left without its compression"]
 
 
@@ -114,7 +134,8 @@ def test_a_request_its_prefill_finished_is_dropped_not_rejoined(built):
     park.park([target], take_targets)
     park.exclude(Batch([target]), Batch([], False))
     target.output_ids.append(2)
-    target.done = True  # e.g. its first token was EOS: SGLang released it
+    target.done = True  # e.g. its first token was EOS: SGLang released it (compressing it)
+    park.take(target)
     empty = Batch([], False)
     assert park.rejoin(SimpleNamespace(), empty) is empty and park.parked == {}
 
@@ -125,6 +146,7 @@ def test_a_running_batch_that_emptied_is_replaced_by_the_rejoining_one(built):
     park.park([target], take_targets)
     park.exclude(Batch([target]), Batch([], False))
     target.output_ids.append(5)
+    park.take(target)  # compressed
     running = park.rejoin(SimpleNamespace(), Batch([], False))
     assert [r.rid for r in running.reqs] == ["target"]
 
