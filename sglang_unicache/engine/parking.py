@@ -49,12 +49,11 @@ def parkable(req) -> bool:
 @dataclass
 class Parking:
     # Requests out of every batch, by rid: parked as their prefill ran (``fresh``: not yet kept
-    # out of a build), then waiting for their result to be processed.
+    # out of a build), until they are compressed and rejoin.
     parked: dict[str, object] = field(default_factory=dict)
     fresh: list = field(default_factory=list)
-    # Their compression targets (``targets.Targets.take``'s), held here: the loop processes a
-    # parked prefill's result after the next batch ran, and a next extend batch starts a new
-    # set of targets.
+    # Their compression targets (``targets.Targets.take``'s), held here: their compression runs
+    # after the next batch, and a next extend batch starts a new set of targets.
     held: dict[str, tuple] = field(default_factory=dict)
     # Their compressions (and checkpoints), by rid: deferred when their result is processed, run
     # at the build after the one they sat out.
@@ -127,7 +126,8 @@ class Parking:
         return running_batch
 
     def check(self) -> list[str]:
-        """``check_integrity`` lines: a request parked longer than the step it sits out."""
+        """``check_integrity`` lines: a request its prefill finished that is still parked, and
+        targets or a compression left behind by a request no longer parked."""
         stuck = [rid for rid, req in self.parked.items() if req.output_ids and req.finished()]
         lines = [f"parked request {rid} finished but still parked" for rid in stuck]
         lost = [rid for rid in {*self.held, *self.deferred} if rid not in self.parked]
