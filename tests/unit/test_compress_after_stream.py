@@ -19,6 +19,9 @@ class FakeController:
     def compresses(self, req):
         return req.rid in self.targets
 
+    def parks(self, req):  # overlap_compression off
+        return False
+
     def on_checkpoint(self, req):
         if req.rid in self.targets:
             self.events.append(("compress", req.rid))
