@@ -187,8 +187,7 @@ class Controller:
     def compresses(self, req) -> bool:
         """Whether ``req``'s checkpoint compresses (it is a target of the batch in flight, or
         a parked one)."""
-        return self.targets.is_target(req) or (self.parking is not None
-                                               and self.parking.holds(req))
+        return self.targets.is_target(req) or self.parks(req)
 
     def on_checkpoint(self, req) -> None:
         taken = self.targets.take(req)
