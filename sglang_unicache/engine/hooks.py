@@ -159,6 +159,18 @@ def around_get_next_batch_to_run(original: Any, scheduler: Any, running_batch: A
     return original(scheduler, running_batch=running_batch, last_batch=last_batch)
 
 
+@hook(f"{_SCHEDULER}.collect_inflight_reqs", "AROUND")
+def around_collect_inflight_reqs(original: Any, scheduler: Any) -> Any:
+    """The requests sitting out a step (``parking.py``) are in flight though in no batch: an
+    abort sent then marks them as it marks a running request, and they leave at their first
+    step back."""
+    reqs = original(scheduler)
+    controller = STATE.controller
+    if controller is not None and controller.parking is not None:
+        reqs = {*reqs, *controller.parking.parked.values()}
+    return reqs
+
+
 @hook(f"{_SCHEDULER}.process_batch_result", "AROUND")
 def around_process_batch_result(original: Any, scheduler: Any, batch: Any, result: Any,
                                 *args: Any, **kwargs: Any) -> Any:

@@ -15,7 +15,9 @@ compression in two gaps; a parked request's second token comes one step later.
 
 A parked request is in no SGLang batch for one step: its slots are its own (not in the tree until
 its checkpoint), its first token waits in SGLang's relay buffer under its row, as every request's
-does between two steps (``rejoin`` stashes it again, as SGLang's own staged decode does). Only
+does between two steps (``rejoin`` stashes it again, as SGLang's own staged decode does), and it
+counts among SGLang's in-flight requests (``hooks.around_collect_inflight_reqs``), so an abort
+sent then marks it to finish and it leaves at its first step back. Only
 where that holds: the overlap loop, no speculative decoding and no data-parallel attention (their
 batches carry more state); requests with penalties, a grammar or a custom logit processor are
 compressed at once as without this (their sampling state is built from the batch they ran in).

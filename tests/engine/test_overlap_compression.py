@@ -152,3 +152,43 @@ def test_a_parked_prefill_followed_by_another_prefill_still_compresses(server_fa
     assert after["integrity"] == []
     flush_cache(server)
     assert available_slots(server) == baseline
+
+
+def test_an_abort_stops_a_request_that_sits_out_a_step(parking):
+    """Each request is aborted by its id the moment its first token arrives, which is while it
+    sits out the step after its prefill (its first token leaves before that step, it rejoins
+    after it). The abort reaches it there: each answer ends at once with ``abort`` instead of
+    decoding its 2,000 tokens, and every slot comes back."""
+    flush_cache(parking)
+    baseline = available_slots(parking)
+    before = internal_state(parking)["unicache"]["requests_parked"]
+
+    def abort_at_first_token(index: int) -> tuple[str, int]:
+        rid = f"parked-abort-{index}"
+        body = image_chat(solid_png(PALETTE[index]), "describe it", max_tokens=2000,
+                          ignore_eos=True, stream=True, rid=rid,
+                          stream_options={"include_usage": True})
+        finish, tokens = None, 0
+        with requests.post(f"{parking.url}/v1/chat/completions", json=body, stream=True,
+                           timeout=300) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[len(b"data: "):])
+                for choice in chunk.get("choices") or []:
+                    if choice["delta"].get("content") and tokens == 0:
+                        tokens = 1
+                        requests.post(f"{parking.url}/abort_request", json={"rid": rid},
+                                      timeout=30).raise_for_status()
+                    finish = choice.get("finish_reason") or finish
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+        return finish, tokens
+
+    with futures.ThreadPoolExecutor(4) as pool:
+        ends = list(pool.map(abort_at_first_token, range(4)))
+    assert internal_state(parking)["unicache"]["requests_parked"] - before == 4
+    assert all(finish == "abort" and tokens < 100 for finish, tokens in ends), ends
+    flush_cache(parking, timeout=60)
+    assert available_slots(parking) == baseline

@@ -161,3 +161,31 @@ def test_requests_whose_sampling_state_follows_the_batch_are_not_parked(sampling
     # all or none: the prefill's result is processed first (overlap.py)
     assert not park.park([plain, penalised], take_targets)
     assert park.parked == {} and park.fresh == []
+
+
+def test_an_abort_reaches_a_request_sitting_out_a_step(monkeypatch):
+    """SGLang's own ``abort_request`` finds running requests through ``collect_inflight_reqs``;
+    a parked request is in no batch for one step, so without the plugin's hook on it an abort
+    sent then was lost and the request decoded to its end. With it, the request is marked to
+    finish and leaves at its first step back, by SGLang's own path."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers.io_struct import AbortReq
+    from sglang.srt.managers.scheduler import Scheduler
+
+    from sglang_unicache.engine import hooks
+
+    target, decoding = Req("target-1"), Req("decoding")
+    target.to_finish = decoding.to_finish = None
+    park = Parking()
+    park.park([target], take_targets)
+    park.exclude(Batch([target]), Batch([], False))  # out of every batch now
+    monkeypatch.setattr(hooks.STATE, "controller", SimpleNamespace(parking=park))
+
+    scheduler = SimpleNamespace(
+        chunked_req=None, mm_receiver=None, waiting_queue=[], dllm_config=None,
+        grammar_manager=SimpleNamespace(abort_requests=lambda recv: None),
+        disaggregation_mode=DisaggregationMode.NULL)
+    scheduler.collect_inflight_reqs = lambda: hooks.around_collect_inflight_reqs(
+        lambda s: {decoding}, scheduler)
+    Scheduler.abort_request(scheduler, AbortReq(rid="target"))
+    assert target.to_finish is not None and decoding.to_finish is None
