@@ -166,11 +166,12 @@ class Controller:
     def prefills_for_compression(self) -> bool:
         return self.targets.prefills_for_compression()
 
-    def park_targets(self, batch) -> bool:
+    def park_targets(self, batch) -> None:
         """With ``overlap_compression``: the compression targets of the extend batch now running
-        sit out the next build (``parking.py``); False where they are compressed at once."""
+        sit out the next build (``parking.py``), unless any of them cannot (then they are
+        compressed at once)."""
         if self.parking is None:
-            return False
+            return
         targets = [req for req in batch.reqs if self.targets.is_target(req)]
 
         def take(req):
@@ -178,7 +179,7 @@ class Controller:
             pending.batch = None  # out of that batch from the next build on: only req shrinks
             return pending, capture
 
-        return self.parking.park(targets, take)
+        self.parking.park(targets, take)
 
     def parks(self, req) -> bool:
         """Whether ``req`` is parked: its compression waits for the build after next."""

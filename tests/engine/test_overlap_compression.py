@@ -45,18 +45,22 @@ def stream_long_answer(server, item, decoding: threading.Event) -> int:
                 {"type": "text", "text": item.question}]}]}
     body["stream_options"] = {"include_usage": True}
     tokens = 0
+    for chunk in stream_chunks(server, body):
+        if any(c["delta"].get("content") for c in chunk.get("choices") or []):
+            decoding.set()
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+    return tokens
+
+
+def stream_chunks(server, body):
+    """The JSON chunks of a streamed chat completion, as they arrive."""
     with requests.post(f"{server.url}/v1/chat/completions", json=body, stream=True,
                        timeout=300) as response:
         response.raise_for_status()
         for line in response.iter_lines():
-            if not line.startswith(b"data: {"):
-                continue
-            chunk = json.loads(line[len(b"data: "):])
-            if any(c["delta"].get("content") for c in chunk.get("choices") or []):
-                decoding.set()
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    return tokens
+            if line.startswith(b"data: {"):
+                yield json.loads(line[len(b"data: "):])
 
 
 def parking_config(tmp_path: Path, *lines: str) -> str:
@@ -169,21 +173,15 @@ def test_an_abort_stops_a_request_that_sits_out_a_step(parking):
                           ignore_eos=True, stream=True, rid=rid,
                           stream_options={"include_usage": True})
         finish, tokens = None, 0
-        with requests.post(f"{parking.url}/v1/chat/completions", json=body, stream=True,
-                           timeout=300) as response:
-            response.raise_for_status()
-            for line in response.iter_lines():
-                if not line.startswith(b"data: {"):
-                    continue
-                chunk = json.loads(line[len(b"data: "):])
-                for choice in chunk.get("choices") or []:
-                    if choice["delta"].get("content") and tokens == 0:
-                        tokens = 1
-                        requests.post(f"{parking.url}/abort_request", json={"rid": rid},
-                                      timeout=30).raise_for_status()
-                    finish = choice.get("finish_reason") or finish
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
+        for chunk in stream_chunks(parking, body):
+            for choice in chunk.get("choices") or []:
+                if choice["delta"].get("content") and tokens == 0:
+                    tokens = 1
+                    requests.post(f"{parking.url}/abort_request", json={"rid": rid},
+                                  timeout=30).raise_for_status()
+                finish = choice.get("finish_reason") or finish
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
         return finish, tokens
 
     with futures.ThreadPoolExecutor(4) as pool:
