@@ -20,8 +20,13 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(PY) -m examples.demo
 
+# Two pytest-xdist workers, each one test file at a time, in collection order (the engine tests
+# first, the fast ones fill the end); their servers share one RAM budget (tests/support/budget.py).
+# TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q -p no:warnings --durations=25
+	$(PY) -m pytest -q -p no:warnings --durations=25 -n $(TEST_WORKERS) --dist loadfile \
+		--no-loadscope-reorder
 
 lint: setup
 	$(VENV)/bin/ruff check sglang_unicache tests benchmarks examples tools

@@ -3,7 +3,8 @@
 Servers are session-scoped (a start costs ~40 s here), bound to 127.0.0.1 on a free port
 (retried on another if it was taken meanwhile), and stopped by PID. Their logs stay in
 ``runs/test-logs/`` (override with UNICACHE_TEST_LOGS); UNICACHE_SERVER_START_TIMEOUT bounds a
-start (default 300 s) and UNICACHE_TEST_MAX_SERVERS how many schedulers run at once (default 5).
+start (default 300 s) and UNICACHE_TEST_MAX_SERVERS how many schedulers run at once (default 5,
+across the pytest-xdist workers: ``make test`` runs two, each one test file at a time).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 LOG_DIR = Path(os.environ.get("UNICACHE_TEST_LOGS", Path(__file__).parent.parent / "runs" /
                               "test-logs"))
+# Under pytest-xdist each worker runs its own servers: their logs carry the worker's name.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 
 
 ENGINE_TESTS = Path(__file__).parent / "engine"
@@ -44,8 +47,9 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 # A server costs ~2.7 GB of RAM (launcher, scheduler, detokenizer: their PSS), one more scheduler
-# per extra data- or tensor-parallel rank: five units, the offline engine and pytest leave ~6 GB
-# of 24 free. UNICACHE_TEST_MAX_SERVERS lowers it on a smaller or busier machine.
+# per extra data- or tensor-parallel rank: five units, the offline engines and pytest leave ~6 GB
+# of 24 free. The xdist workers share the five (tests/support/budget.py).
+# UNICACHE_TEST_MAX_SERVERS lowers it on a smaller or busier machine.
 MAX_LIVE_SERVERS = int(os.environ.get("UNICACHE_TEST_MAX_SERVERS", "5"))
 # Flags that change no token and no slot: every test server has them, so two configurations that
 # differ only by them are one server (a start costs ~40 s here).
@@ -62,28 +66,54 @@ def server_units(args: tuple[str, ...]) -> int:
 
 
 @pytest.fixture(scope="session")
-def server_factory(tiny_model):
+def server_factory(tiny_model, tmp_path_factory):
     """A server for a list of flags, shared by every test that asks for the same flags.
 
-    ``ALWAYS`` is added to every list. Servers run until their units would pass
-    ``MAX_LIVE_SERVERS``; starting another stops the least recently used one first, except those
-    asked for with ``keep=True`` (the servers most tests share: stopping them between test files
-    cost a start each time). Tests that start servers of their own make room first
-    (``server_factory.make_room(units)``); ``server_factory.prefetch(flags, ...)`` starts the
-    servers a test file needs next side by side.
+    ``ALWAYS`` is added to every list. The servers of all xdist workers stay within
+    ``MAX_LIVE_SERVERS`` units: starting another stops this worker's least recently used one
+    first, except those asked for with ``keep=True`` (the servers most tests share: stopping them
+    between test files cost a start each time; they go only while another worker waits for room)
+    and those the running test uses. Tests that start servers of their own make room first
+    (``server_factory.make_room(units)``, held until the test ends, or until
+    ``server_factory.release(units)`` with ``hold=True``: a module's own server);
+    ``server_factory.prefetch(flags, ...)`` starts the servers a test file needs next side by side.
     """
+    from tests.support.budget import Budget
     from tests.support.server import start_server
 
     servers: OrderedDict = OrderedDict()
     kept: set = set()
+    in_use: set = set()  # keys handed to the running test: never stopped under it
+    reserved = [0]  # units of the running test's own servers
+    held_long = [0]  # units of servers that modules started (``make_room(units, hold=True)``)
+    shared = tmp_path_factory.getbasetemp().parent / "server-budget" if WORKER else None
+    budget = Budget(shared, WORKER or "main", MAX_LIVE_SERVERS)
 
-    def make_room(units: int) -> None:
-        """Stop the least recently used servers not kept until ``units`` more fit (a test that
-        starts servers of its own calls it first, through ``server_factory.make_room``)."""
-        for old in [k for k in servers if k not in kept]:
-            if sum(server_units(k[0]) for k in servers) + units <= MAX_LIVE_SERVERS:
-                break
-            servers.pop(old).stop()
+    def held() -> int:
+        return sum(server_units(k[0]) for k in servers) + reserved[0] + held_long[0]
+
+    def stop_one(kept_ones: bool) -> bool:
+        """Stop the least recently used server (kept for the session or not); False if none."""
+        for key in servers:
+            if (key in kept) == kept_ones and key not in in_use:
+                servers.pop(key).stop()
+                return True
+        return False
+
+    def make_room(units: int, hold: bool = False) -> None:
+        """Room for ``units`` more schedulers, counted as the running test's until it ends (a
+        test that starts servers of its own calls it first), or until ``release(units)``."""
+        budget.acquire(units, held, stop_one)
+        (held_long if hold else reserved)[0] += units
+
+    def release(units: int) -> None:
+        held_long[0] -= units
+        budget.yield_to_waiting(held, stop_one)
+
+    def end_test() -> None:
+        reserved[0] = 0
+        in_use.clear()
+        budget.yield_to_waiting(held, stop_one)
 
     def key_of(args: tuple[str, ...], env: dict[str, str] | None) -> tuple:
         args = (*(a for a in args if a not in ALWAYS), *ALWAYS)
@@ -96,17 +126,23 @@ def server_factory(tiny_model):
         if env:
             name += "_" + "_".join(f"{k}={v}" for k, v in sorted(env.items()))
         # Two servers whose flags share the first 90 characters must not share a log.
-        name += "-" + hashlib.sha1(repr(key).encode()).hexdigest()[:8]
+        name += "-" + hashlib.sha1(repr(key).encode()).hexdigest()[:8] + WORKER
         return start_server(tiny_model, list(args), LOG_DIR / f"{name}.log", env=env)
+
+    def add(key: tuple, server, units: int) -> None:
+        servers[key] = server
+        reserved[0] -= units  # now counted as a server of the factory
 
     def get(*args: str, env: dict[str, str] | None = None, keep: bool = False):
         key = key_of(args, env)
         if keep:
             kept.add(key)
         if key not in servers:
-            make_room(server_units(key[0]))
-            servers[key] = start(key)
+            units = server_units(key[0])
+            make_room(units)
+            add(key, start(key), units)
         servers.move_to_end(key)
+        in_use.add(key)
         return servers[key]
 
     def prefetch(*flag_lists: tuple[str, ...]) -> None:
@@ -121,15 +157,27 @@ def server_factory(tiny_model):
             started = [(k, pool.submit(start, k)) for k in missing]
         for k, future in started:
             if future.exception() is None:
-                servers[k] = future.result()
+                add(k, future.result(), server_units(k[0]))
         for _, future in started:
             future.result()  # a failed start raises here; the others are kept and stopped later
 
     get.make_room = make_room
     get.prefetch = prefetch
+    get.release = release
+    get.end_test = end_test
     yield get
     for server in servers.values():
         server.stop()
+    budget.leave()
+
+
+@pytest.fixture(autouse=True)
+def _server_budget(request):
+    """Ends the running test's claim on server units (``server_factory.make_room``), and gives
+    servers back to another xdist worker waiting for room."""
+    yield
+    if "server_factory" in request.fixturenames:
+        request.getfixturevalue("server_factory").end_test()
 
 
 def assert_integrity(server) -> None:
@@ -181,14 +229,17 @@ def unicache_server(server_factory):
 
 
 @pytest.fixture(scope="session")
-def engine(tiny_model):
-    """An offline ``sglang.Engine`` with the plugin enabled through keyword arguments."""
+def engine(tiny_model, server_factory):
+    """An offline ``sglang.Engine`` with the plugin enabled through keyword arguments (its
+    scheduler counts as one server unit)."""
     import sglang
 
+    server_factory.make_room(1, hold=True)
     eng = sglang.Engine(model_path=str(tiny_model), unicache=True, unicache_keep_ratio=0.5,
                         log_level="error")
     yield eng
     eng.shutdown()
+    server_factory.release(1)
 
 
 KEEP = 0.25

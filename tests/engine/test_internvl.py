@@ -178,7 +178,7 @@ class _Reference:
 
 @pytest.fixture(scope="module")
 def random_server(model, server_factory, nocheck_config):
-    server_factory.make_room(1)
+    server_factory.make_room(1, hold=True)
     from tests.conftest import LOG_DIR
 
     server = start_server(model, [
@@ -187,6 +187,7 @@ def random_server(model, server_factory, nocheck_config):
         LOG_DIR / "server-internvl-random.log")
     yield server
     server.stop()
+    server_factory.release(1)
 
 
 def _reference_case(reference, server, png, question, **params):

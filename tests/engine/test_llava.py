@@ -34,13 +34,14 @@ def llava_server(llava_model, nocheck_config, server_factory):
     from tests.conftest import LOG_DIR
     from tests.support.server import start_server
 
-    server_factory.make_room(1)
+    server_factory.make_room(1, hold=True)
     server = start_server(llava_model, [
         "--unicache", "--unicache-method", "random", "--unicache-keep-ratio", str(KEEP),
         "--unicache-config", nocheck_config, "--dtype", "float32", "--enable-cache-report"],
         LOG_DIR / "server-llava-random.log")
     yield server
     server.stop()
+    server_factory.release(1)
 
 
 def selection(model, inputs, span):
