@@ -69,7 +69,8 @@ class Server:
                     + self.log()[-4000:]
                 )
             try:
-                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200 \
+                        and self.owns_port():
                     return
             except requests.RequestException:
                 pass
@@ -77,6 +78,20 @@ class Server:
         self.stop()
         raise TimeoutError(f"server not ready after {timeout:.0f}s; log: {self.log_path}\n"
                            + self.log()[-4000:])
+
+    def owns_port(self) -> bool:
+        """Whether a process of this server's group listens on its port: another server (another
+        pytest-xdist worker's) that took the port first answers ``/health`` too."""
+        import psutil
+
+        for conn in psutil.net_connections("tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr.port == self.port and conn.pid:
+                try:
+                    if os.getpgid(conn.pid) == self.process.pid:
+                        return True
+                except ProcessLookupError:
+                    pass
+        return False
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.process.poll() is not None:
