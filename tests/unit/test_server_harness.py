@@ -47,27 +47,19 @@ def test_a_port_taken_before_the_server_binds_it_is_retried(monkeypatch, tmp_pat
 
 def test_a_port_another_server_took_first_is_not_mistaken_for_ours(monkeypatch, tmp_path):
     """Another worker's server bound the port we picked: it answers ``/health``, ours exits."""
-    foreign_port = harness.free_port()
-    foreign = harness.subprocess.Popen(health_server(foreign_port))
+    foreign = harness.launch(health_server, tmp_path / "foreign.log", timeout=60)
     try:
-        while True:
-            try:
-                requests.get(f"http://127.0.0.1:{foreign_port}/health", timeout=2)
-                break
-            except requests.RequestException:
-                time.sleep(0.2)
-        ports = iter([foreign_port, harness.free_port()])
+        ports = iter([foreign.port, harness.free_port()])
         monkeypatch.setattr(harness, "free_port", lambda: next(ports))
         slow = ["import time; time.sleep(2)\n" + HEALTH_SERVER]
         server = harness.launch(lambda port: [sys.executable, "-c", *slow, str(port)],
                                 tmp_path / "s.log", timeout=60)
         try:
-            assert server.port != foreign_port
+            assert server.port != foreign.port
         finally:
             server.stop()
     finally:
-        foreign.kill()
-        foreign.wait()
+        foreign.stop()
 
 
 def test_a_server_that_exits_is_reported_at_once(tmp_path):
