@@ -281,6 +281,10 @@ def images_chat(pngs: list[bytes], question: str, **params) -> dict:
     return body
 
 
+# The compression's steps, timed by the scheduler (``Stats``): plan, host copy, apply.
+STEPS = ("compress_plan_seconds", "compress_copy_seconds", "compress_apply_seconds")
+
+
 def overhead(model: Path, config: Path, methods: list[str], ratio: float, log_dir: Path,
              requests: int = 6, images: int = 1, size: int = IMAGE_SIZE,
              extra: list[str] | None = None,
@@ -301,7 +305,7 @@ def overhead(model: Path, config: Path, methods: list[str], ratio: float, log_di
             after = internal_state(server)["unicache"]
             stats = {key: after[key] - before[key]
                      for key in ("prefill_seconds", "prefill_tokens", "compress_seconds",
-                                 "images_compressed", "escalations", "fallbacks")}
+                                 *STEPS, "images_compressed", "escalations", "fallbacks")}
         finally:
             server.stop()
         rows.append({"method": method, "keep_ratio": ratio, "images": images,
@@ -311,6 +315,8 @@ def overhead(model: Path, config: Path, methods: list[str], ratio: float, log_di
                      "compress_ms": round(1000 * stats["compress_seconds"] / requests, 1),
                      "overhead_share": round(stats["compress_seconds"]
                                              / max(stats["prefill_seconds"], 1e-9), 3),
+                     **{f"{key[:-len('_seconds')]}_ms": round(1000 * stats[key] / requests, 1)
+                        for key in STEPS},
                      **{key: stats[key] for key in ("images_compressed", "escalations",
                                                     "fallbacks")}})
     return rows

@@ -125,6 +125,7 @@ class Compression:
         """Run one step of a compression; its result when every rank succeeded, else None (the
         request keeps its full KV, counted once as an error on every rank)."""
         result, failed, peer_failed = None, False, False
+        start = time.perf_counter()
         try:
             result = run()
         except PeerFailed:  # this rank already knows the verdict: no settle round
@@ -133,6 +134,8 @@ class Compression:
             failed = True
             logger.exception("sglang-unicache: compression (%s) failed for %s; keeping full KV",
                              name, req.rid)
+        seconds = f"compress_{name}_seconds"
+        setattr(self.stats, seconds, getattr(self.stats, seconds) + time.perf_counter() - start)
         if peer_failed or not self.tp.settle(failed):
             if not failed:
                 logger.error("sglang-unicache: another tensor-parallel rank failed to %s %s; "

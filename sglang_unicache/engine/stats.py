@@ -26,6 +26,12 @@ class Stats:
     recall_lost: int = 0  # recalls whose copy or room was gone at admission: prefilled instead
     images_prefilled: int = 0  # image spans a prefill computed (SGLang encodes exactly these)
     compress_seconds: float = 0.0  # policy + compaction, summed (benchmarks read it)
+    # Its steps (``Compression._step``): gather + plan + self-check + execute; the host copy's
+    # packing; write + compaction + rewrite. The rest is freeing, span metadata and the ranks'
+    # verdicts.
+    compress_plan_seconds: float = 0.0
+    compress_copy_seconds: float = 0.0
+    compress_apply_seconds: float = 0.0
     # The forwards of extend batches with a request that compresses at this chunk or a later one
     # (every chunk of a chunked prompt), summed, and the tokens they prefilled: what
     # compress_seconds is read against.

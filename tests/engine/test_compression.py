@@ -101,6 +101,12 @@ def test_batched_workload_compresses_every_image_and_leaks_nothing(compressing):
     after = internal_state(compressing)["unicache"]
     assert after["images_compressed"] - before["images_compressed"] == 4
     assert after["slots_freed"] - before["slots_freed"] == 4 * (IMAGE_TOKENS - KEPT)
+    # Each compression's steps are timed (/server_info, the overhead benchmark's columns) and
+    # lie within its whole.
+    steps = {step: after[f"compress_{step}_seconds"] - before[f"compress_{step}_seconds"]
+             for step in ("plan", "copy", "apply")}
+    assert all(seconds > 0 for seconds in steps.values()), steps
+    assert sum(steps.values()) <= after["compress_seconds"] - before["compress_seconds"]
     flush_cache(compressing)
     assert available_slots(compressing) == baseline
 
