@@ -4,7 +4,9 @@ Servers are session-scoped (a start costs ~40 s here), bound to 127.0.0.1 on a f
 (retried on another if it was taken meanwhile), and stopped by PID. Their logs stay in
 ``runs/test-logs/`` (override with UNICACHE_TEST_LOGS); UNICACHE_SERVER_START_TIMEOUT bounds a
 start (default 300 s) and UNICACHE_TEST_MAX_SERVERS how many schedulers run at once (default 5,
-across the pytest-xdist workers: ``make test`` runs two, each one test file at a time).
+across the pytest-xdist workers when ``make test TEST_WORKERS=2`` runs two, each one test file at
+a time). Servers fork from a process that imported SGLang once (``support/zygote.py``;
+UNICACHE_TEST_FORK_SERVERS=0: each a new interpreter).
 """
 
 from __future__ import annotations
@@ -35,6 +37,20 @@ def pytest_collection_modifyitems(items) -> None:
     for item in items:
         if ENGINE_TESTS in Path(item.fspath).parents:
             item.add_marker(pytest.mark.engine)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _forked_servers():
+    """Test servers fork from one process that imported SGLang once (``support/zygote.py``):
+    about 15 s less per start. ``UNICACHE_TEST_FORK_SERVERS=0`` starts each as a new
+    interpreter."""
+    if os.environ.get("UNICACHE_TEST_FORK_SERVERS", "1") == "0":
+        yield
+        return
+    from tests.support.server import forking_servers
+
+    with forking_servers(LOG_DIR / f"zygote{WORKER}.log"):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,9 @@ at once (its log tail is raised), not after the timeout. A start that hangs past
 stopped and tried once more on another port (its log tail goes to stderr, and into the error if
 the second try hangs too).
 
-``UNICACHE_SERVER_START_TIMEOUT`` (seconds, default 300) bounds each start.
+``UNICACHE_SERVER_START_TIMEOUT`` (seconds, default 300) bounds each start. Within
+``forking_servers`` (the test session's) an SGLang server forks from a process that imported
+SGLang once (``zygote.py``) instead of starting a new interpreter.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -115,6 +119,49 @@ class PortTaken(RuntimeError):
     pass
 
 
+class _Forking:
+    """``forking_servers``' state: where the zygote logs, and the zygote once a launch needed
+    it (started on first use, so a run without servers never pays its import)."""
+
+    def __init__(self) -> None:
+        self.log_path: Path | None = None
+        self.module = ""
+        self.zygote = None
+        self.lock = threading.Lock()
+
+    def zygote_for(self, argv: list[str], env: dict[str, str]):
+        """The zygote that can fork ``argv`` with ``env``, or None."""
+        with self.lock:
+            if self.log_path is None or argv[:3] != [sys.executable, "-m", self.module]:
+                return None
+            if self.zygote is None:
+                from tests.support.zygote import Zygote
+
+                self.zygote = Zygote(cpu_env(), self.log_path, Path.cwd(), self.module)
+        return self.zygote if self.zygote.can_start(argv, env) else None
+
+
+_forking = _Forking()
+
+
+@contextmanager
+def forking_servers(log_path: Path, module: str = "sglang.launch_server") -> Iterator[None]:
+    """Within the block, ``launch`` forks the servers it starts as ``python -m module`` (SGLang's)
+    from one process that imported the module once (``zygote.py``) where it can, instead of
+    starting each as a new interpreter."""
+    with _forking.lock:
+        outer = _forking.log_path, _forking.module, _forking.zygote
+        _forking.log_path, _forking.module, _forking.zygote = log_path, module, None
+    try:
+        yield
+    finally:
+        with _forking.lock:
+            zygote = _forking.zygote
+            _forking.log_path, _forking.module, _forking.zygote = outer
+        if zygote is not None:
+            zygote.close()
+
+
 def start_timeout() -> float:
     return float(os.environ.get("UNICACHE_SERVER_START_TIMEOUT", "300"))
 
@@ -130,9 +177,14 @@ def launch(command: Callable[[int], list[str]], log_path: str | Path, *,
     hung = 0
     for attempt in range(1, START_ATTEMPTS + 1):
         port = free_port()
-        with open(log_path, "w") as log:
-            process = subprocess.Popen(command(port), stdout=log, stderr=subprocess.STDOUT,
-                                       env=cpu_env(env), start_new_session=True)
+        argv, full_env = command(port), cpu_env(env)
+        zygote = _forking.zygote_for(argv, full_env)
+        if zygote is not None:
+            process = zygote.start(argv, full_env, log_path)
+        else:
+            with open(log_path, "w") as log:
+                process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                           env=full_env, start_new_session=True)
         server = Server(process=process, port=port, log_path=log_path, args=list(args))
         try:
             server.wait_ready(start_timeout() if timeout is None else timeout)

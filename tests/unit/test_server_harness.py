@@ -1,14 +1,18 @@
 """The test/benchmark server harness on a busy machine: a port taken between picking and binding
 is retried on another, a server that dies is noticed at once, a start that hangs is tried once
-more, and the start timeout comes from ``UNICACHE_SERVER_START_TIMEOUT``. A stand-in HTTP server
-plays SGLang."""
+more, the start timeout comes from ``UNICACHE_SERVER_START_TIMEOUT``, and servers forked from a
+zygote behave as started ones. A stand-in HTTP server plays SGLang."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import requests
 
@@ -104,3 +108,47 @@ def test_a_start_that_hangs_twice_raises_with_the_log_tail(monkeypatch, tmp_path
     with pytest.raises(TimeoutError, match="(?s)not ready after 2s.*stuck loading"):
         harness.launch(lambda port: [sys.executable, "-c", "print('stuck loading', flush=True); "
                                      "import time; time.sleep(60)"], tmp_path / "s.log")
+
+
+STANDIN = "tests.support.health_standin"
+
+
+def standin(*extra: str):
+    return lambda port: [sys.executable, "-m", STANDIN, str(port), *extra]
+
+
+def test_a_forked_server_answers_in_its_own_group_and_stops(tmp_path):
+    """``forking_servers``: the server is a fork of the zygote (not a child of this process),
+    leads its own process group like a ``Popen`` server, and is stopped through it."""
+    with harness.forking_servers(tmp_path / "zygote.log", STANDIN):
+        server = harness.launch(standin(), tmp_path / "s.log", timeout=60)
+        try:
+            assert not isinstance(server.process, subprocess.Popen)
+            assert psutil.Process(server.process.pid).ppid() != os.getpid()
+            assert os.getpgid(server.process.pid) == server.process.pid
+            assert requests.get(f"{server.url}/health", timeout=5).status_code == 200
+        finally:
+            server.stop()
+        assert server.process.returncode == -signal.SIGTERM
+        assert not psutil.pid_exists(server.process.pid)
+
+
+def test_a_forked_server_that_exits_is_reported_with_its_code(tmp_path):
+    with harness.forking_servers(tmp_path / "zygote.log", STANDIN):
+        with pytest.raises(RuntimeError, match="server exited with code 3"):
+            harness.launch(standin("3"), tmp_path / "s.log", timeout=60)
+    assert "exiting as asked" in (tmp_path / "s.log").read_text()
+
+
+def test_a_server_whose_environment_differs_from_the_zygote_starts_afresh(tmp_path):
+    """A variable read at import would keep the zygote's value in a fork: such a server, and
+    any other command, is a new interpreter."""
+    with harness.forking_servers(tmp_path / "zygote.log", STANDIN):
+        for server in (harness.launch(standin(), tmp_path / "env.log", timeout=60,
+                                      env={"UNICACHE_TEST_SOMETHING": "1"}),
+                       harness.launch(health_server, tmp_path / "other.log", timeout=60)):
+            try:
+                assert isinstance(server.process, subprocess.Popen)
+                assert requests.get(f"{server.url}/health", timeout=5).status_code == 200
+            finally:
+                server.stop()

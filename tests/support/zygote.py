@@ -1,0 +1,184 @@
+"""Test servers forked from a process that imported SGLang once.
+
+``python -m sglang.launch_server`` spends about 15 s of a 37 s start importing torch, transformers
+and SGLang before it parses a flag; a test run starts some sixty servers. The zygote pays that
+import once: a child process of the test run that imports ``sglang.launch_server`` (and runs no
+torch op, so no thread pool exists to be copied), then forks one server per request. Each fork
+gets a new session (stopped by process group, as a ``Popen`` server is), the log file on its
+stdout and stderr, the requested environment and working directory, and runs
+``sglang.launch_server`` as ``__main__``, exactly as ``python -m`` does. The scheduler and
+detokenizer processes the server starts are spawned as always, from a fresh interpreter.
+
+Only a request whose environment is the zygote's own is forked (``Zygote.can_start``): a
+variable read at import (by SGLang, torch or the plugin) would otherwise keep the zygote's
+value. Anything else, and any other command, starts as a plain subprocess.
+
+Protocol: JSON lines on the zygote's stdin and stdout. ``{"op": "start", "args", "env", "log",
+"cwd"}`` answers ``{"pid"}``; ``{"op": "poll", "pid"}`` answers ``{"code"}`` (null while it runs).
+The zygote reaps its children and exits when its stdin closes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+MODULE = "sglang.launch_server"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _settled(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without what pytest changes per test phase (``PYTEST_CURRENT_TEST``)."""
+    return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+class ForkedProcess:
+    """What the harness uses of a ``Popen`` (``pid``, ``poll``, ``wait``, ``returncode``) for a
+    server the zygote forked: its parent is the zygote, which reports its exit."""
+
+    def __init__(self, zygote: Zygote, pid: int, args: list[str]):
+        self.zygote, self.pid, self.args = zygote, pid, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.zygote.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.1)
+        return self.returncode
+
+
+class Zygote:
+    def __init__(self, env: dict[str, str], log_path: Path, cwd: Path, module: str = MODULE):
+        self.env, self.cwd, self.module = dict(env), cwd, module
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "w") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "tests.support.zygote", module], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=log, env=self.env, cwd=REPO, text=True, bufsize=1)
+        self.lock = threading.Lock()
+        ready = self.process.stdout.readline()
+        if ready.strip() != "ready":
+            self.process.kill()
+            raise RuntimeError(f"the server zygote did not start; log: {log_path}")
+
+    def can_start(self, command: list[str], env: dict[str, str]) -> bool:
+        return (command[:3] == [sys.executable, "-m", self.module]
+                and _settled(env) == _settled(self.env) and self.process.poll() is None)
+
+    def _ask(self, request: dict) -> dict:
+        with self.lock:
+            self.process.stdin.write(json.dumps(request) + "\n")
+            answer = self.process.stdout.readline()
+        if not answer:
+            raise RuntimeError("the server zygote exited")
+        return json.loads(answer)
+
+    def start(self, command: list[str], env: dict[str, str], log_path: Path) -> ForkedProcess:
+        pid = self._ask({"op": "start", "args": command[3:], "env": env,
+                         "log": str(log_path), "cwd": str(self.cwd)})["pid"]
+        return ForkedProcess(self, pid, command)
+
+    def exit_code(self, pid: int) -> int | None:
+        return self._ask({"op": "poll", "pid": pid})["code"]
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def _run_server(module: str, request: dict) -> None:
+    """In the forked child: become the server, as ``python -m module`` would."""
+    import runpy
+    import traceback
+
+    code = 1
+    try:
+        os.setsid()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.close(null)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        sys.argv = [module, *request["args"]]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
+
+def main(module: str) -> None:
+    import importlib
+
+    importlib.import_module(module)  # the import every fork shares
+    if module == MODULE:
+        importlib.import_module("sglang.srt.entrypoints.http_server")
+
+    exited: dict[int, int] = {}
+
+    def reap(*_) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            exited[pid] = os.waitstatus_to_exitcode(status)
+
+    signal.signal(signal.SIGCHLD, reap)
+    answers = sys.stdout
+    answers.write("ready\n")
+    answers.flush()
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request["op"] == "start":
+            sys.stderr.flush()
+            # SIGCHLD waits until a reused pid's old exit code is forgotten.
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+            pid = os.fork()
+            if pid == 0:
+                _run_server(module, request)
+            exited.pop(pid, None)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+            answer = {"pid": pid}
+        else:
+            reap()
+            answer = {"code": exited.get(request["pid"])}
+        answers.write(json.dumps(answer) + "\n")
+        answers.flush()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
