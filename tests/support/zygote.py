@@ -102,8 +102,9 @@ class Zygote:
             self.process.kill()
 
 
-def _run_server(module: str, request: dict) -> None:
-    """In the forked child: become the server, as ``python -m module`` would."""
+def _run_server(module: str, request: dict, imported_env: dict[str, str]) -> None:
+    """In the forked child: become the server, as ``python -m module`` would; ``imported_env``:
+    the variables the module's import set (SGLang sets cache directories), set again."""
     import runpy
     import traceback
 
@@ -121,6 +122,8 @@ def _run_server(module: str, request: dict) -> None:
         os.close(null)
         os.environ.clear()
         os.environ.update(request["env"])
+        for key, value in imported_env.items():
+            os.environ.setdefault(key, value)
         os.chdir(request["cwd"])
         sys.argv = [module, *request["args"]]
         runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -141,9 +144,11 @@ def _run_server(module: str, request: dict) -> None:
 def main(module: str) -> None:
     import importlib
 
+    before = dict(os.environ)
     importlib.import_module(module)  # the import every fork shares
     if module == MODULE:
         importlib.import_module("sglang.srt.entrypoints.http_server")
+    imported_env = {k: v for k, v in os.environ.items() if before.get(k) != v}
 
     exited: dict[int, int] = {}
 
@@ -169,7 +174,7 @@ def main(module: str) -> None:
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
             pid = os.fork()
             if pid == 0:
-                _run_server(module, request)
+                _run_server(module, request, imported_env)
             exited.pop(pid, None)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
             answer = {"pid": pid}
