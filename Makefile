@@ -22,8 +22,7 @@ demo: setup
 
 # One process by default. TEST_WORKERS=2 runs two pytest-xdist workers, each one test file at a
 # time in collection order (the engine tests first, the fast ones fill the end), their servers
-# within one RAM budget (tests/support/budget.py): 54 min of pytest on a fresh clone against 70
-# in one process, but not yet the default (README says why).
+# within one RAM budget (tests/support/budget.py); not the default (README says why).
 TEST_WORKERS ?= 0
 test: setup
 	$(PY) -m pytest -q -p no:warnings --durations=25 -n $(TEST_WORKERS) --dist loadfile \

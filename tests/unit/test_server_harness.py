@@ -154,3 +154,15 @@ def test_a_server_whose_environment_differs_from_the_zygote_starts_afresh(tmp_pa
                 assert requests.get(f"{server.url}/health", timeout=5).status_code == 200
             finally:
                 server.stop()
+
+
+def test_servers_of_a_killed_zygote_read_as_exited(tmp_path):
+    """An offline ``sglang.Engine``'s shutdown kills every child of the test process, the
+    zygote and its servers among them: stopping them afterwards is not an error."""
+    with harness.forking_servers(tmp_path / "zygote.log", STANDIN):
+        server = harness.launch(standin(), tmp_path / "s.log", timeout=60)
+        os.killpg(server.process.pid, signal.SIGKILL)
+        harness._forking.zygote.process.kill()
+        harness._forking.zygote.process.wait(timeout=30)
+        server.stop()
+        assert server.process.returncode == -signal.SIGKILL
