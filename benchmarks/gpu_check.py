@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 
 GPU_BACKENDS = ("fa3", "flashinfer", "triton")
@@ -194,6 +195,7 @@ def main() -> None:
     args = parser.parse_args()
     if not args.dry:
         os.environ["SGLANG_PLATFORM"] = ""  # SGLang picks CUDA
+    from tests.support.server import forking_servers
     from tests.support.tiny_vlm import build_tiny_qwen2_vl
 
     start = time.perf_counter()
@@ -214,7 +216,9 @@ def main() -> None:
         jobs[backend, "compression_paged"] = lambda b=backend: compression(
             model, b, config, logs, image_tokens=64, page=PAGE)
     jobs[None, "kernels"] = lambda: kernels(args.dry)
-    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+    # The dry run forks its servers from one process that imported SGLang (the tests' harness).
+    with (forking_servers(logs / "zygote.log") if args.dry else nullcontext()), \
+            ThreadPoolExecutor(max(1, args.jobs)) as pool:
         done = {key: pool.submit(fn) for key, fn in jobs.items()}
     result: dict = {"dry": args.dry, "backends": {b: {} for b in names}}
     for (backend, step), future in done.items():
