@@ -1,17 +1,19 @@
 """Test servers forked from a process that imported SGLang once.
 
 ``python -m sglang.launch_server`` spends about 15 s of a 37 s start importing torch, transformers
-and SGLang before it parses a flag; a test run starts some sixty servers. The zygote pays that
-import once: a child process of the test run that imports ``sglang.launch_server`` (and runs no
-torch op, so no thread pool exists to be copied), then forks one server per request. Each fork
+and SGLang before it parses a flag; a test run starts dozens of servers. The zygote pays that
+import once: a child process of the test run that imports ``sglang.launch_server`` and computes
+nothing (torch starts its intra-op thread pool at the first parallel op, so none is copied),
+then forks one server per request. Each fork
 gets a new session (stopped by process group, as a ``Popen`` server is), the log file on its
 stdout and stderr, the requested environment and working directory, and runs
 ``sglang.launch_server`` as ``__main__``, exactly as ``python -m`` does. The scheduler and
 detokenizer processes the server starts are spawned as always, from a fresh interpreter.
 
-Only a request whose environment is the zygote's own is forked (``Zygote.can_start``): a
-variable read at import (by SGLang, torch or the plugin) would otherwise keep the zygote's
-value. Anything else, and any other command, starts as a plain subprocess.
+Only a request whose environment is the zygote's own (but for ``PYTEST_CURRENT_TEST``) is forked
+(``Zygote.can_start``): a variable read at import (by SGLang, torch or the plugin) would
+otherwise keep the zygote's value. Anything else, and any other command, starts as a plain
+subprocess. What the import itself set (SGLang's cache directories) is set in each fork again.
 
 Protocol: JSON lines on the zygote's stdin and stdout. ``{"op": "start", "args", "env", "log",
 "cwd"}`` answers ``{"pid"}``; ``{"op": "poll", "pid"}`` answers ``{"code"}`` (null while it runs).
