@@ -138,7 +138,7 @@ class _Forking:
                 from tests.support.zygote import Zygote
 
                 self.zygote = Zygote(cpu_env(), self.log_path, Path.cwd(), self.module)
-        return self.zygote if self.zygote.can_start(argv, env) else None
+        return self.zygote if self.zygote.can_start(env) else None
 
 
 _forking = _Forking()

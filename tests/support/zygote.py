@@ -76,9 +76,9 @@ class Zygote:
             self.process.kill()
             raise RuntimeError(f"the server zygote did not start; log: {log_path}")
 
-    def can_start(self, command: list[str], env: dict[str, str]) -> bool:
-        return (command[:3] == [sys.executable, "-m", self.module]
-                and _settled(env) == _settled(self.env) and self.process.poll() is None)
+    def can_start(self, env: dict[str, str]) -> bool:
+        """Whether a server of this zygote's module with ``env`` may be forked."""
+        return _settled(env) == _settled(self.env) and self.process.poll() is None
 
     def _ask(self, request: dict) -> dict:
         with self.lock:
