@@ -44,6 +44,10 @@ def cpu_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("PYTHONWARNINGS", "ignore")
     env.setdefault("SGLANG_UNICACHE_CHECK_INTEGRITY", "1")  # /server_info reports the invariants
+    # A stop's SIGTERM ends the scheduler first; SGLang reads that as a crash and waits 5 s
+    # before its diagnostics (py-spy, CUDA core dumps: nothing on a CPU) unless these are off.
+    env.setdefault("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "0")
+    env.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0")
     env.update(extra or {})
     return env
 
@@ -134,7 +138,9 @@ class _Forking:
         with self.lock:
             if self.log_path is None or argv[:3] != [sys.executable, "-m", self.module]:
                 return None
-            if self.zygote is None:
+            if self.zygote is None or self.zygote.process.poll() is not None:
+                # First use, or the zygote was killed (an offline ``sglang.Engine``'s shutdown
+                # kills every child of the test process): a new one.
                 from tests.support.zygote import Zygote
 
                 self.zygote = Zygote(cpu_env(), self.log_path, Path.cwd(), self.module)

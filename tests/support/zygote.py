@@ -7,8 +7,12 @@ nothing (torch starts its intra-op thread pool at the first parallel op, so none
 then forks one server per request. Each fork
 gets a new session (stopped by process group, as a ``Popen`` server is), the log file on its
 stdout and stderr, the requested environment and working directory, and runs
-``sglang.launch_server`` as ``__main__``, exactly as ``python -m`` does. The scheduler and
-detokenizer processes the server starts are spawned as always, from a fresh interpreter.
+``sglang.launch_server`` as ``__main__``, exactly as ``python -m`` does, except that the
+processes it starts (scheduler, detokenizer, data-parallel controller) are forked from it rather
+than spawned: SGLang sets the ``spawn`` start method, which would import everything again in
+each (``_fork_children``). SGLang's plugin loading is idempotent, so a forked scheduler keeps
+the hooks its launcher registered. Servers started as new interpreters (below) spawn theirs,
+as in production.
 
 Only a request whose environment is the zygote's own (but for ``PYTEST_CURRENT_TEST``) is forked
 (``Zygote.can_start``): a variable read at import (by SGLang, torch or the plugin) would
@@ -119,6 +123,19 @@ class Zygote:
             self.process.kill()
 
 
+def _fork_children() -> None:
+    """Make the server fork its scheduler and detokenizer rather than spawn them: SGLang sets
+    the ``spawn`` start method before it starts them, which would import everything again."""
+    import multiprocessing
+
+    set_start_method = multiprocessing.set_start_method
+
+    def forking(method: str | None, force: bool = False) -> None:
+        set_start_method("fork" if method == "spawn" else method, force=force)
+
+    multiprocessing.set_start_method = forking
+
+
 def _run_server(module: str, request: dict, imported_env: dict[str, str]) -> None:
     """In the forked child: become the server, as ``python -m module`` would; ``imported_env``:
     the variables the module's import set (SGLang sets cache directories), set again."""
@@ -143,6 +160,7 @@ def _run_server(module: str, request: dict, imported_env: dict[str, str]) -> Non
             os.environ.setdefault(key, value)
         os.chdir(request["cwd"])
         sys.argv = [module, *request["args"]]
+        _fork_children()
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exit_:

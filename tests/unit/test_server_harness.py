@@ -135,6 +135,21 @@ def test_a_forked_server_answers_in_its_own_group_and_stops(tmp_path):
         assert not psutil.pid_exists(server.process.pid)
 
 
+def test_a_forked_server_forks_its_own_children(tmp_path):
+    """SGLang spawns its scheduler from a fresh interpreter; a forked server forks it (what
+    the zygote imported is there already), a started one still spawns it."""
+    with harness.forking_servers(tmp_path / "zygote.log", STANDIN):
+        for server, expected in ((harness.launch(standin(), tmp_path / "f.log", timeout=60),
+                                  "forked"),
+                                 (harness.launch(standin(), tmp_path / "s.log", timeout=60,
+                                                 env={"UNICACHE_TEST_SOMETHING": "1"}),
+                                  "spawned")):
+            try:
+                assert requests.get(f"{server.url}/child", timeout=60).text == expected
+            finally:
+                server.stop()
+
+
 def test_a_forked_server_that_exits_is_reported_with_its_code(tmp_path):
     with harness.forking_servers(tmp_path / "zygote.log", STANDIN):
         with pytest.raises(RuntimeError, match="server exited with code 3"):
@@ -158,7 +173,8 @@ def test_a_server_whose_environment_differs_from_the_zygote_starts_afresh(tmp_pa
 
 def test_servers_of_a_killed_zygote_read_as_exited(tmp_path):
     """An offline ``sglang.Engine``'s shutdown kills every child of the test process, the
-    zygote and its servers among them: stopping them afterwards is not an error."""
+    zygote and its servers among them: stopping them afterwards is not an error, and the next
+    server forks from a new zygote."""
     with harness.forking_servers(tmp_path / "zygote.log", STANDIN):
         server = harness.launch(standin(), tmp_path / "s.log", timeout=60)
         os.killpg(server.process.pid, signal.SIGKILL)
@@ -166,3 +182,10 @@ def test_servers_of_a_killed_zygote_read_as_exited(tmp_path):
         harness._forking.zygote.process.wait(timeout=30)
         server.stop()
         assert server.process.returncode == -signal.SIGKILL
+        # The next server forks from a new zygote.
+        again = harness.launch(standin(), tmp_path / "again.log", timeout=60)
+        try:
+            assert not isinstance(again.process, subprocess.Popen)
+            assert requests.get(f"{again.url}/health", timeout=5).status_code == 200
+        finally:
+            again.stop()
