@@ -1,6 +1,6 @@
 """Shared fixtures: the tiny checkpoint, one CPU server per configuration, one offline Engine.
 
-Servers are session-scoped (a start costs 23-37 s here), bound to 127.0.0.1 on a free port
+Servers are session-scoped (a start costs 10-37 s here), bound to 127.0.0.1 on a free port
 (retried on another if it was taken meanwhile), and stopped by PID. Their logs stay in
 ``runs/test-logs/`` (override with UNICACHE_TEST_LOGS); UNICACHE_SERVER_START_TIMEOUT bounds a
 start (default 300 s) and UNICACHE_TEST_MAX_SERVERS how many schedulers run at once (default 5,

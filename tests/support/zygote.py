@@ -160,6 +160,9 @@ def _run_server(module: str, request: dict, imported_env: dict[str, str]) -> Non
             os.environ.setdefault(key, value)
         os.chdir(request["cwd"])
         sys.argv = [module, *request["args"]]
+        import setproctitle
+
+        setproctitle.setproctitle(" ".join([sys.executable, "-m", module, *request["args"]]))
         _fork_children()
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
@@ -179,6 +182,11 @@ def _run_server(module: str, request: dict, imported_env: dict[str, str]) -> Non
 def main(module: str) -> None:
     import importlib
 
+    import setproctitle
+
+    # The title's memory is claimed while the environment is the process's own: later, a
+    # fork whose environment was replaced could not set one (SGLang names its processes).
+    setproctitle.setproctitle(setproctitle.getproctitle())
     before = dict(os.environ)
     importlib.import_module(module)  # the import every fork shares
     if module == MODULE:

@@ -126,6 +126,9 @@ def test_a_forked_server_answers_in_its_own_group_and_stops(tmp_path):
             assert not isinstance(server.process, subprocess.Popen)
             assert psutil.Process(server.process.pid).ppid() != os.getpid()
             assert os.getpgid(server.process.pid) == server.process.pid
+            # Named as its command, as ``ps`` shows a started server (SGLang names its own).
+            assert f"-m {STANDIN} {server.port}" in " ".join(
+                psutil.Process(server.process.pid).cmdline())
             health = requests.get(f"{server.url}/health", timeout=5)
             # What the module's import put in the environment is there, as after an import.
             assert health.status_code == 200 and health.text == "1"
