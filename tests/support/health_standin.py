@@ -13,11 +13,11 @@ import sys
 if __name__ != "__main__":  # set by an import (the zygote's), as SGLang's sets cache directories
     os.environ.setdefault("UNICACHE_STANDIN_IMPORTED", "1")
 
-SERVING_PID: int | None = None  # set where the server runs; a spawned child re-imports: None
+SERVING = False  # True where the server runs; a spawned child re-imports the module: False
 
 
 def _child() -> None:
-    sys.exit(0 if SERVING_PID is not None else 3)
+    sys.exit(0 if SERVING else 3)
 
 
 def started_child() -> str:
@@ -44,5 +44,5 @@ if __name__ == "__main__":
     if len(sys.argv) > 2:
         print("exiting as asked", flush=True)
         sys.exit(int(sys.argv[2]))
-    SERVING_PID = os.getpid()
+    SERVING = True
     http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()

@@ -81,8 +81,9 @@ class Zygote:
             raise RuntimeError(f"the server zygote did not start; log: {log_path}")
 
     def can_start(self, env: dict[str, str]) -> bool:
-        """Whether a server of this zygote's module with ``env`` may be forked."""
-        return _settled(env) == _settled(self.env) and self.process.poll() is None
+        """Whether a server of this zygote's module with ``env`` may be forked (that the
+        zygote is alive is the harness's to check: it starts a new one)."""
+        return _settled(env) == _settled(self.env)
 
     def _ask(self, request: dict) -> dict:
         with self.lock:
