@@ -22,13 +22,16 @@ than fp32 there, and the servers are then bound by that emulation, not by their 
 ``--rounds N`` runs the whole sequence of servers N times, stock first in each round, and adds a
 summary: each plugin server's median ratio to the same round's stock and the range over the rounds
 (one run's pool-free ratios move by up to 0.4 on a shared 2-core machine, more than the targets'
-margins).
+margins). ``--rows`` runs stock and only the plugin servers named (a large model's run is
+long); ``--client-timeout`` bounds each client run.
 
     python -m benchmarks.serving_client --out runs/serving-client.json
     python -m benchmarks.serving_client --server-args="--dtype float32" --out runs/sc-fp32.json
     python -m benchmarks.serving_client --profile --workloads "pool free" --out runs/sc-prof.json
     python -m benchmarks.serving_client --rounds 5 --workloads "pool free" --out runs/sc-5.json
     python -m benchmarks.serving_client --workloads multi-turn --out runs/sc-multi-turn.json
+    python -m benchmarks.serving_client --model <checkpoint> --workloads multi-turn \
+        --rows shipped --client-timeout 3600 --out runs/sc-mt-large.json
 """
 
 from __future__ import annotations
@@ -43,7 +46,14 @@ import time
 from pathlib import Path
 
 from benchmarks import scheduler_phases
-from benchmarks.perf import SHIPPED, WORKLOAD_MODEL, flags_for, print_table, shipped_variants
+from benchmarks.perf import (
+    SHIPPED,
+    WORKLOAD_MODEL,
+    flags_for,
+    only_rows,
+    print_table,
+    shipped_variants,
+)
 from benchmarks.perf_workload import QUESTIONS, picture, popular_images, workload_pool
 from tests.support.client import flush_cache, internal_state
 from tests.support.images import image_chat
@@ -88,28 +98,34 @@ def image_trace(path: Path, *, images: int = 24, conversations: int = 48, turns:
     return path
 
 
-def servers(config: Path, variants: dict[str, list[str]] | None = None) -> dict[str, list[str]]:
-    return {"stock": ["--enable-cache-report"],
-            "`--unicache` (defaults as shipped)": SHIPPED,
-            "unicache keep 0.1, self-check off": flags_for("unicache", 0.1, config),
-            "knorm keep 0.1, self-check off": flags_for("knorm", 0.1, config),
-            **(variants or {})}
+def servers(config: Path, variants: dict[str, list[str]] | None = None,
+            rows: str = "") -> dict[str, list[str]]:
+    """Stock first, then every plugin config (``rows``: only those whose name holds one of these
+    comma-separated strings)."""
+    every = {"stock": ["--enable-cache-report"],
+             "`--unicache` (defaults as shipped)": SHIPPED,
+             "unicache keep 0.1, self-check off": flags_for("unicache", 0.1, config),
+             "knorm keep 0.1, self-check off": flags_for("knorm", 0.1, config),
+             **(variants or {})}
+    return dict(only_rows(list(every.items()), rows))
 
 
-def run_client(server, model: Path, workload: list[str], out: Path) -> dict:
+def run_client(server, model: Path, workload: list[str], out: Path,
+               timeout: float = 1200) -> dict:
     """One ``sglang.benchmark.serving`` run against ``server``: its summary line."""
     command = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang-oai-chat",
                "--host", "127.0.0.1", "--port", str(server.port), "--model", str(model),
                "--tokenizer", str(model), *workload, "--output-file", str(out),
                "--disable-tqdm", "--seed", "1"]
     subprocess.run(command, check=True, env=cpu_env(), capture_output=True, text=True,
-                   timeout=1200)
+                   timeout=timeout)
     return json.loads(out.read_text().strip().splitlines()[-1])
 
 
 def measure(model: Path, config: Path, log_dir: Path, workloads: list[str],
             profile: bool = False, extra: tuple[str, ...] = (), rounds: int = 1,
-            variants: dict[str, list[str]] | None = None) -> list[dict]:
+            variants: dict[str, list[str]] | None = None, only: str = "",
+            client_timeout: float = 1200) -> list[dict]:
     rows = []
     trace = None
     for workload, parts in WORKLOADS.items():
@@ -121,7 +137,7 @@ def measure(model: Path, config: Path, log_dir: Path, workloads: list[str],
                                          for arg in parts["client"]]}
         for r in range(rounds):
             for row in _round(model, config, log_dir, workload, parts, profile, extra,
-                              len(rows), variants):
+                              len(rows), variants, only, client_timeout):
                 rows.append({**row, "round": r + 1} if rounds > 1 else row)
     return rows
 
@@ -148,11 +164,12 @@ def summary(rows: list[dict]) -> list[dict]:
 
 def _round(model: Path, config: Path, log_dir: Path, workload: str, parts: dict,
            profile: bool, extra: tuple[str, ...], first: int,
-           variants: dict[str, list[str]] | None = None) -> list[dict]:
+           variants: dict[str, list[str]] | None = None, only: str = "",
+           client_timeout: float = 1200) -> list[dict]:
     """Every server once on ``workload``, stock first: their rows, ratios to this stock."""
     rows = []
     base = None
-    for i, (name, flags) in enumerate(servers(config, variants).items()):
+    for i, (name, flags) in enumerate(servers(config, variants, only).items()):
         n = first + len(rows)
         server = start_server(model, [*flags, *parts["server"], *extra],
                               log_dir / f"serving-client-{n}.log")
@@ -163,7 +180,7 @@ def _round(model: Path, config: Path, log_dir: Path, workload: str, parts: dict,
             sampler = scheduler_phases.record(server, spy) if profile else None
             try:
                 result = run_client(server, model, parts["client"],
-                                    log_dir / f"serving-client-{n}.jsonl")
+                                    log_dir / f"serving-client-{n}.jsonl", client_timeout)
             finally:
                 if sampler is not None:
                     scheduler_phases.stop(sampler)
@@ -201,6 +218,11 @@ def main() -> None:
     parser.add_argument("--shipped-set", default="",
                         help="one more server, the defaults as shipped with these config keys "
                              "(JSON, e.g. '{\"view_max_keep\": 0.15}')")
+    parser.add_argument("--rows", default="",
+                        help="run stock and only the plugin servers whose name holds one of "
+                             "these comma-separated strings (e.g. shipped)")
+    parser.add_argument("--client-timeout", type=float, default=1200,
+                        help="seconds one client run may take (a larger model needs more)")
     parser.add_argument("--out", default="runs/serving-client.json")
     args = parser.parse_args()
     extra = tuple(args.server_args.split())
@@ -213,7 +235,8 @@ def main() -> None:
     log_dir = Path("runs/perf-logs")
     log_dir.mkdir(parents=True, exist_ok=True)
     rows = measure(model, config, log_dir, args.workloads.split(","), args.profile, extra,
-                   args.rounds, shipped_variants(args.shipped_set, work))
+                   args.rounds, shipped_variants(args.shipped_set, work), args.rows,
+                   args.client_timeout)
     result = {"rows": rows, "server_args": list(extra), "rounds": args.rounds,
               "seconds": round(time.perf_counter() - start)}
     if args.rounds > 1:

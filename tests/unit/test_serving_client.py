@@ -1,11 +1,11 @@
 """The client benchmark's summary over rounds: each plugin server's median ratio to its own
 round's stock and the range, so one noisy run does not decide a target; the multi-turn workload's
-trace is one SGLang's client loads and replays as conversations."""
+trace is one SGLang's client loads and replays as conversations; ``--rows`` keeps stock first."""
 
 import pytest
 
 from benchmarks.perf_workload import QUESTIONS, popular_images
-from benchmarks.serving_client import image_trace, summary
+from benchmarks.serving_client import image_trace, servers, summary
 
 
 def _row(workload, server, r, tok, tpot, ttft):
@@ -49,3 +49,13 @@ def test_the_multi_turn_trace_is_one_sglang_replays_turn_by_turn(tmp_path):
     urls = [row.prompt[0][0]["content"][0]["image_url"]["url"] for row in rows]
     picks = popular_images(24, 6, 1.1, 0)
     assert [urls.index(u) for u in urls] == [picks.index(p) for p in picks]
+
+
+def test_rows_run_stock_first_and_only_the_named_plugin_servers(tmp_path):
+    config = tmp_path / "policy.json"
+    every = list(servers(config))
+    assert every[0] == "stock" and len(every) == 4
+    assert list(servers(config, rows="shipped")) == ["stock", "`--unicache` (defaults as shipped)"]
+    assert list(servers(config, rows="knorm,shipped")) == [
+        "stock", "`--unicache` (defaults as shipped)", "knorm keep 0.1, self-check off"]
+    assert list(servers(config, rows="nothing like it")) == ["stock"]
