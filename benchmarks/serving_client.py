@@ -99,15 +99,15 @@ def image_trace(path: Path, *, images: int = 24, conversations: int = 48, turns:
 
 
 def servers(config: Path, variants: dict[str, list[str]] | None = None,
-            rows: str = "") -> dict[str, list[str]]:
-    """Stock first, then every plugin config (``rows``: only those whose name holds one of these
-    comma-separated strings)."""
+            only: str = "") -> dict[str, list[str]]:
+    """Stock first, then every plugin config (``only``, ``--rows``: those whose name holds one of
+    these comma-separated strings)."""
     every = {"stock": ["--enable-cache-report"],
              "`--unicache` (defaults as shipped)": SHIPPED,
              "unicache keep 0.1, self-check off": flags_for("unicache", 0.1, config),
              "knorm keep 0.1, self-check off": flags_for("knorm", 0.1, config),
              **(variants or {})}
-    return dict(only_rows(list(every.items()), rows))
+    return dict(only_rows(list(every.items()), only))
 
 
 def run_client(server, model: Path, workload: list[str], out: Path,

@@ -55,7 +55,7 @@ def test_rows_run_stock_first_and_only_the_named_plugin_servers(tmp_path):
     config = tmp_path / "policy.json"
     every = list(servers(config))
     assert every[0] == "stock" and len(every) == 4
-    assert list(servers(config, rows="shipped")) == ["stock", "`--unicache` (defaults as shipped)"]
-    assert list(servers(config, rows="knorm,shipped")) == [
+    assert list(servers(config, only="shipped")) == ["stock", "`--unicache` (defaults as shipped)"]
+    assert list(servers(config, only="knorm,shipped")) == [
         "stock", "`--unicache` (defaults as shipped)", "knorm keep 0.1, self-check off"]
-    assert list(servers(config, rows="nothing like it")) == ["stock"]
+    assert list(servers(config, only="nothing like it")) == ["stock"]
