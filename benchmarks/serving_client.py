@@ -13,7 +13,9 @@ third workload is the reuse case through the same client: the multi-turn image c
 popularity, 8 at a time, 16 output tokens a turn, a pool of about 6 uncompressed prompts) written
 as a trace for the client's ``agentic-trace`` dataset (``image_trace``): the client replays each
 conversation turn by turn and sends the server's own answers back as the history, so later turns
-and other conversations about the same image reuse its span.
+and other conversations about the same image reuse its span. At 8 at a time the client, not
+the pool, caps the plugin's batch (stock's pool runs about 6 of them); ``--workloads "busy chats"``
+sends the same chats 16 at a time, where the pool binds for stock and the plugin both.
 ``--profile`` samples each scheduler with py-spy during the client's run and adds its phase shares
 (``scheduler_phases.py``) to the row (the sampling slows the server: time it without).
 ``--server-args`` adds flags to every server, stock included: ``--dtype float32`` computes in
@@ -30,6 +32,7 @@ long); ``--client-timeout`` bounds each client run.
     python -m benchmarks.serving_client --profile --workloads "pool free" --out runs/sc-prof.json
     python -m benchmarks.serving_client --rounds 5 --workloads "pool free" --out runs/sc-5.json
     python -m benchmarks.serving_client --workloads multi-turn --out runs/sc-multi-turn.json
+    python -m benchmarks.serving_client --workloads "busy chats" --out runs/sc-busy-chats.json
     python -m benchmarks.serving_client --model <checkpoint> --workloads multi-turn \
         --rows shipped --client-timeout 3600 --out runs/sc-mt-large.json
 """
@@ -79,6 +82,14 @@ WORKLOADS = {
                    "--num-prompts", "48", "--max-concurrency", "8", "--sharegpt-output-len",
                    "16"],
         "server": ["--max-total-tokens", str(MULTI_TURN_POOL)]},
+    # The same chats with more of them in flight than stock's pool holds: at concurrency 8 the
+    # client, not the pool, caps the plugin's batch (stock runs about 6 at once).
+    f"busy chats: 48 conversations x 3 turns over 24 images, concurrency 16, 16 out, "
+    f"--max-total-tokens {MULTI_TURN_POOL}": {
+        "client": ["--dataset-name", "agentic-trace", "--dataset-path", TRACE,
+                   "--num-prompts", "48", "--max-concurrency", "16", "--sharegpt-output-len",
+                   "16"],
+        "server": ["--max-total-tokens", str(MULTI_TURN_POOL)]},
 }
 PLUGIN_KEYS = ("images_compressed", "escalations", "fallbacks", "spans_recalled")
 
@@ -122,15 +133,19 @@ def run_client(server, model: Path, workload: list[str], out: Path,
     return json.loads(out.read_text().strip().splitlines()[-1])
 
 
+def selected(workloads: list[str]) -> dict[str, dict]:
+    """The workloads whose name holds one of ``workloads``, in ``WORKLOADS`` order."""
+    return {name: parts for name, parts in WORKLOADS.items()
+            if any(w in name for w in workloads)}
+
+
 def measure(model: Path, config: Path, log_dir: Path, workloads: list[str],
             profile: bool = False, extra: tuple[str, ...] = (), rounds: int = 1,
             variants: dict[str, list[str]] | None = None, only: str = "",
             client_timeout: float = 1200) -> list[dict]:
     rows = []
     trace = None
-    for workload, parts in WORKLOADS.items():
-        if not any(w in workload for w in workloads):
-            continue
+    for workload, parts in selected(workloads).items():
         if TRACE in parts["client"]:  # one trace file for every server and round
             trace = trace or image_trace(log_dir / "serving-client.trace.json")
             parts = {**parts, "client": [str(trace) if arg == TRACE else arg

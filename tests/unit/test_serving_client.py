@@ -1,11 +1,12 @@
 """The client benchmark's summary over rounds: each plugin server's median ratio to its own
 round's stock and the range, so one noisy run does not decide a target; the multi-turn workload's
-trace is one SGLang's client loads and replays as conversations; ``--rows`` keeps stock first."""
+trace is one SGLang's client loads and replays as conversations (at concurrency 8 and, on
+request, 16); ``--rows`` keeps stock first."""
 
 import pytest
 
 from benchmarks.perf_workload import QUESTIONS, popular_images
-from benchmarks.serving_client import image_trace, servers, summary
+from benchmarks.serving_client import TRACE, image_trace, selected, servers, summary
 
 
 def _row(workload, server, r, tok, tpot, ttft):
@@ -59,3 +60,18 @@ def test_rows_run_stock_first_and_only_the_named_plugin_servers(tmp_path):
     assert list(servers(config, only="knorm,shipped")) == [
         "stock", "`--unicache` (defaults as shipped)", "knorm keep 0.1, self-check off"]
     assert list(servers(config, only="nothing like it")) == ["stock"]
+
+
+def _flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_busy_chats_are_the_multi_turn_chats_at_twice_the_concurrency_and_run_on_request():
+    default = selected("pool free,pool binds,multi-turn".split(","))
+    assert not any("busy" in name for name in default)  # the default run is unchanged
+    (chats, parts), = selected(["multi-turn"]).items()
+    (busy, busy_parts), = selected(["busy chats"]).items()
+    assert TRACE in busy_parts["client"] and busy_parts["server"] == parts["server"]
+    assert _flag(busy_parts["client"], "--num-prompts") == _flag(parts["client"], "--num-prompts")
+    assert int(_flag(busy_parts["client"], "--max-concurrency")) == 2 * int(
+        _flag(parts["client"], "--max-concurrency"))
