@@ -6,7 +6,15 @@ request, 16); ``--rows`` keeps stock first."""
 import pytest
 
 from benchmarks.perf_workload import QUESTIONS, popular_images
-from benchmarks.serving_client import TRACE, image_trace, selected, servers, summary
+from benchmarks.serving_client import (
+    TRACE,
+    client_row,
+    image_trace,
+    ratios,
+    selected,
+    servers,
+    summary,
+)
 
 
 def _row(workload, server, r, tok, tpot, ttft):
@@ -75,3 +83,13 @@ def test_busy_chats_are_the_multi_turn_chats_at_twice_the_concurrency_and_run_on
     assert _flag(busy_parts["client"], "--num-prompts") == _flag(parts["client"], "--num-prompts")
     assert int(_flag(busy_parts["client"], "--max-concurrency")) == 2 * int(
         _flag(parts["client"], "--max-concurrency"))
+
+
+def test_ratios_to_stock_come_from_the_clients_numbers_not_the_tables_rounding():
+    stock = {"output_throughput": 2.0287, "mean_tpot_ms": 1205.64, "mean_ttft_ms": 102674.0}
+    plugin = {"output_throughput": 3.8609, "mean_tpot_ms": 2505.05, "mean_ttft_ms": 24501.5}
+    row = client_row("busy chats", "shipped", plugin, {"images_compressed": 147})
+    assert row["output_tok_s"] == 3.86 and row["images_compressed"] == 147
+    got = ratios(plugin, stock)
+    assert got == {"tok_s_vs_stock": 1.9, "tpot_vs_stock": 2.08, "ttft_vs_stock": 0.24}
+    assert round(round(3.8609, 1) / round(2.0287, 1), 2) == 1.95  # what one decimal would say
