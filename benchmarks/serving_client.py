@@ -15,7 +15,8 @@ as a trace for the client's ``agentic-trace`` dataset (``image_trace``): the cli
 conversation turn by turn and sends the server's own answers back as the history, so later turns
 and other conversations about the same image reuse its span. At 8 at a time the client, not
 the pool, caps the plugin's batch (stock's pool runs about 6 of them); ``--workloads "busy chats"``
-sends the same chats 16 at a time, where the pool binds for stock and the plugin both.
+sends the same chats 16 at a time, where stock's pool evicts images that other chats still ask
+about and prefills them again.
 ``--profile`` samples each scheduler with py-spy during the client's run and adds its phase shares
 (``scheduler_phases.py``) to the row (the sampling slows the server: time it without).
 ``--server-args`` adds flags to every server, stock included: ``--dtype float32`` computes in
