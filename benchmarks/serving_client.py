@@ -77,20 +77,15 @@ WORKLOADS = {
         "client": [*IMAGE, "--num-prompts", "32", "--max-concurrency", "16",
                    "--random-output-len", "128"],
         "server": ["--max-total-tokens", "3000"]},
-    f"multi-turn: 48 conversations x 3 turns over 24 images, concurrency 8, 16 out, "
-    f"--max-total-tokens {MULTI_TURN_POOL}": {
-        "client": ["--dataset-name", "agentic-trace", "--dataset-path", TRACE,
-                   "--num-prompts", "48", "--max-concurrency", "8", "--sharegpt-output-len",
-                   "16"],
-        "server": ["--max-total-tokens", str(MULTI_TURN_POOL)]},
     # The same chats with more of them in flight than stock's pool holds: at concurrency 8 the
     # client, not the pool, caps the plugin's batch (stock runs about 6 at once).
-    f"busy chats: 48 conversations x 3 turns over 24 images, concurrency 16, 16 out, "
-    f"--max-total-tokens {MULTI_TURN_POOL}": {
-        "client": ["--dataset-name", "agentic-trace", "--dataset-path", TRACE,
-                   "--num-prompts", "48", "--max-concurrency", "16", "--sharegpt-output-len",
-                   "16"],
-        "server": ["--max-total-tokens", str(MULTI_TURN_POOL)]},
+    **{f"{name}: 48 conversations x 3 turns over 24 images, concurrency {concurrency}, 16 out, "
+       f"--max-total-tokens {MULTI_TURN_POOL}": {
+           "client": ["--dataset-name", "agentic-trace", "--dataset-path", TRACE,
+                      "--num-prompts", "48", "--max-concurrency", str(concurrency),
+                      "--sharegpt-output-len", "16"],
+           "server": ["--max-total-tokens", str(MULTI_TURN_POOL)]}
+       for name, concurrency in (("multi-turn", 8), ("busy chats", 16))},
 }
 PLUGIN_KEYS = ("images_compressed", "escalations", "fallbacks", "spans_recalled")
 
