@@ -89,9 +89,14 @@ def later_questions(server, images: int, image_px: int) -> dict:
 
 
 def recall_costs(model: Path, config: Path, log_dir: Path, *, images: int = 6,
-                 image_px: int = 448, extra: list[str] | None = None) -> list[dict]:
+                 image_px: int = 448, extra: list[str] | None = None,
+                 only: str = "") -> list[dict]:
     """The rows of the module docstring, then each row's ratio to stock with the image
-    resident. ``extra``: flags added to every server (the bytes columns assume bf16 KV)."""
+    resident. ``extra``: flags added to every server (the bytes columns assume bf16 KV);
+    ``only``: stock resident and the servers whose name holds one of these comma-separated
+    strings (``perf.only_rows``)."""
+    from benchmarks.perf import only_rows  # perf imports this module
+
     nocheck = config.with_name("policy-recall.json")
     nocheck.write_text(json.dumps({"selfcheck": False}))
     nocopies = config.with_name("policy-no-copies.json")
@@ -99,7 +104,8 @@ def recall_costs(model: Path, config: Path, log_dir: Path, *, images: int = 6,
     per_token = kv_bytes_per_token(model)
     tokens = visual_tokens(image_px)
     rows = []
-    for i, (name, flags) in enumerate(recall_servers(nocheck, nocopies, image_px).items()):
+    servers = only_rows(list(recall_servers(nocheck, nocopies, image_px).items()), only)
+    for i, (name, flags) in enumerate(servers):
         server = start_server(model, [*flags, *(extra or [])], log_dir / f"recall-{i}.log")
         try:
             chat(server, image_chat(picture(65_000, image_px), "what colour is it?",

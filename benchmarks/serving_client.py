@@ -129,19 +129,22 @@ def run_client(server, model: Path, workload: list[str], out: Path,
     return json.loads(out.read_text().strip().splitlines()[-1])
 
 
-def selected(workloads: list[str]) -> dict[str, dict]:
-    """The workloads whose name holds one of ``workloads``, in ``WORKLOADS`` order."""
-    return {name: parts for name, parts in WORKLOADS.items()
+def selected(workloads: list[str], table: dict[str, dict] | None = None) -> dict[str, dict]:
+    """The workloads of ``table`` (default ``WORKLOADS``) whose name holds one of
+    ``workloads``, in the table's order."""
+    return {name: parts for name, parts in (table or WORKLOADS).items()
             if any(w in name for w in workloads)}
 
 
 def measure(model: Path, config: Path, log_dir: Path, workloads: list[str],
             profile: bool = False, extra: tuple[str, ...] = (), rounds: int = 1,
             variants: dict[str, list[str]] | None = None, only: str = "",
-            client_timeout: float = 1200) -> list[dict]:
+            client_timeout: float = 1200, table: dict[str, dict] | None = None) -> list[dict]:
+    """Every selected workload of ``table`` (default ``WORKLOADS``) on stock and each plugin
+    server, ``rounds`` times: one row per server and round."""
     rows = []
     trace = None
-    for workload, parts in selected(workloads).items():
+    for workload, parts in selected(workloads, table).items():
         if TRACE in parts["client"]:  # one trace file for every server and round
             trace = trace or image_trace(log_dir / "serving-client.trace.json")
             parts = {**parts, "client": [str(trace) if arg == TRACE else arg
