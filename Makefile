@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export SGLANG_PLATFORM ?= unicache_cpu
 
-.PHONY: setup demo test lint format bench gpu-check quality selfcheck-study
+.PHONY: setup demo test lint format bench gpu-check gpu-targets quality selfcheck-study
 
 setup: $(VENV)/.installed
 
@@ -47,6 +47,14 @@ format: setup
 # token against stock; one JSON, runs/gpu-check.json. `make gpu-check DRY=--dry` runs it here.
 gpu-check: setup
 	$(PY) -m benchmarks.gpu_check $(DRY) --out runs/gpu-check.json
+
+# On a CUDA machine (SGLANG_PLATFORM empty): the speed targets the CPU cannot decide, against
+# stock in the same run (the compression's share of the prefill, SGLang's client pool free and
+# bound, a recall's TTFT, the busy chats on the 2B language model); one JSON with a verdict per
+# target, runs/gpu-targets.json. STEPS="overhead,client" runs a part; DRY=--dry runs it here.
+STEPS ?= overhead,client,recall,busy chats
+gpu-targets: setup
+	$(PY) -m benchmarks.gpu_targets $(DRY) --steps "$(STEPS)" --out runs/gpu-targets.json
 
 bench: setup
 	$(PY) -m benchmarks.perf --out runs/perf.json

@@ -87,8 +87,12 @@ lists the tables re-run with it. The random-weight models of the performance par
 trained ones: their attention says nothing about quality, and the unbounded ladder's self-check
 escalated on them where it does not on the trained model. No GPU numbers yet:
 the same scripts run on one with `SGLANG_PLATFORM= make bench` and `SGLANG_PLATFORM= make
-quality` (an empty `SGLANG_PLATFORM` lets SGLang pick CUDA), and `make gpu-check` checks every
-attention backend there in one command (`benchmarks/gpu_check.py`; its dry run is tested here).
+quality` (an empty `SGLANG_PLATFORM` lets SGLang pick CUDA), `make gpu-check` checks every
+attention backend there in one command (`benchmarks/gpu_check.py`), and `make gpu-targets` runs
+the timings this CPU cannot decide (the compression's share of the prefill, SGLang's client with
+the pool free and bound, a recall's TTFT, the busy chats on the 2B language model) against stock
+in one command with a verdict per target (`benchmarks/gpu_targets.py`); the dry runs of both are
+tested here.
 """
 
 
