@@ -28,7 +28,9 @@ row (``value``, ``limit``, ``met``). A missed target is a finding and exits 0; a
 raised is recorded with its error and exits 1. ``--dry`` runs every step on the CPU platform with
 the tests' tiny model and a few requests (its verdicts mean nothing; it keeps the script from
 rotting). On a GPU machine run it with ``SGLANG_PLATFORM`` empty so SGLang picks CUDA (the script
-sets it so unless ``--dry``); ``--steps`` splits the run across commands.
+sets it so unless ``--dry``). Server starts: overhead 4, client 8, recall 5, busy chats 2 (and
+the 2B checkpoint's build); ``--steps`` splits the run across commands and ``--rows shipped``
+runs stock and the defaults only (overhead 2, client 4, recall 2).
 """
 
 from __future__ import annotations
@@ -115,27 +117,31 @@ class Models:
 
 
 def run_step(step: str, models: Models, config: Path, logs: Path, dry: bool,
-             client_timeout: float) -> list[dict]:
+             client_timeout: float, rows: str = "") -> list[dict]:
+    """One step's rows. ``rows`` (``--rows``): stock and only the plugin servers whose name
+    holds one of these comma-separated strings (the defaults as shipped always run); the dry run
+    takes "shipped"."""
     from benchmarks.perf import overhead
     from benchmarks.recall_costs import recall_costs
     from benchmarks.serving_client import WORKLOADS, measure
 
     table = dry_table(WORKLOADS) if dry else WORKLOADS
+    rows = "shipped" if dry else rows
     if step == "overhead":
-        rows = []
+        methods = [m for m in ("knorm",) if not rows or any(r in m for r in rows.split(","))]
+        out = []
         for px, images in ([(224, 1)] if dry else [(448, 2), (896, 4)]):
-            for row in overhead(models.get("workload", px), config, [] if dry else ["knorm"],
-                                0.1, logs, requests=1 if dry else 6, images=images, size=px):
-                rows.append({**row, "workload": f"{images} x {row['image_tokens']} image tokens"})
-        return rows
+            for row in overhead(models.get("workload", px), config, methods, 0.1, logs,
+                                requests=1 if dry else 6, images=images, size=px):
+                out.append({**row, "workload": f"{images} x {row['image_tokens']} image tokens"})
+        return out
     if step == "client":
         return measure(models.get("workload", 448), config, logs,
-                       ["pool binds"] if dry else ["pool free", "pool binds"],
-                       only="shipped" if dry else "", client_timeout=client_timeout,
-                       table=table)
+                       ["pool binds"] if dry else ["pool free", "pool binds"], only=rows,
+                       client_timeout=client_timeout, table=table)
     if step == "recall":
         return recall_costs(models.get("workload", 448), config, logs, images=1 if dry else 6,
-                            image_px=224 if dry else 448, only="shipped" if dry else "")
+                            image_px=224 if dry else 448, only=rows)
     if step == "busy chats":
         return measure(models.get("2b", 448), config, logs, ["busy chats"], only="shipped",
                        client_timeout=client_timeout, table=table)
@@ -148,6 +154,9 @@ def main() -> None:
                         help="the CPU platform: the tests' tiny model, a few requests")
     parser.add_argument("--steps", default=",".join(STEPS),
                         help=f"comma-separated, of: {', '.join(STEPS)}")
+    parser.add_argument("--rows", default="",
+                        help="stock and only the plugin servers whose name holds one of these "
+                             "comma-separated strings (e.g. shipped; default: every one)")
     parser.add_argument("--client-timeout", type=float, default=1200,
                         help="seconds one client run may take")
     parser.add_argument("--out", default="runs/gpu-targets.json")
@@ -175,7 +184,7 @@ def main() -> None:
             began = time.perf_counter()
             try:
                 done[step] = {"rows": run_step(step, models, config, logs, args.dry,
-                                               args.client_timeout)}
+                                               args.client_timeout, args.rows)}
             except Exception:  # recorded: the other steps still run
                 done[step] = {"error": traceback.format_exc()[-3000:]}
             done[step]["seconds"] = round(time.perf_counter() - began)
