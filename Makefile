@@ -50,9 +50,9 @@ gpu-check: setup
 
 # On a CUDA machine (SGLANG_PLATFORM empty): the speed targets the CPU cannot decide, against
 # stock in the same run (the compression's share of the prefill, SGLang's client pool free and
-# bound, a recall's TTFT, the busy chats on the 2B language model); one JSON with a verdict per
+# bound, a recall's TTFT, the multi-turn chats on the 2B language model); one JSON with a verdict per
 # target, runs/gpu-targets.json. STEPS="overhead,client" runs a part; DRY=--dry runs it here.
-STEPS ?= overhead,client,recall,busy chats
+STEPS ?= overhead,client,recall,multi-turn
 gpu-targets: setup
 	$(PY) -m benchmarks.gpu_targets $(DRY) --steps "$(STEPS)" --out runs/gpu-targets.json
 

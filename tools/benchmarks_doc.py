@@ -90,9 +90,9 @@ the same scripts run on one with `SGLANG_PLATFORM= make bench` and `SGLANG_PLATF
 quality` (an empty `SGLANG_PLATFORM` lets SGLang pick CUDA), `make gpu-check` checks every
 attention backend there in one command (`benchmarks/gpu_check.py`), and `make gpu-targets` runs
 the timings this CPU cannot decide (the compression's share of the prefill, SGLang's client with
-the pool free and bound, a recall's TTFT, the busy chats on the 2B language model) against stock
-in one command with a verdict per target (`benchmarks/gpu_targets.py`); the dry runs of both are
-tested here.
+the pool free and bound, a recall's TTFT, the multi-turn chats on the 2B language model) against
+stock in one command with a verdict per target (`benchmarks/gpu_targets.py`); the dry runs of
+both are tested here.
 """
 
 

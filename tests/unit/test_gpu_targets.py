@@ -20,7 +20,9 @@ def test_each_target_judges_the_rows_it_names_by_the_issues_limit():
              "tok_s_vs_stock": 0.98, "tpot_vs_stock": 1.04, "ttft_vs_stock": 0.9},
             {"workload": "pool binds: 32 prompts", "server": SHIPPED_CLIENT,
              "tok_s_vs_stock": 1.61, "tpot_vs_stock": 2.0, "ttft_vs_stock": 0.23}]},
-        "busy chats": {"rows": [
+        "multi-turn": {"rows": [
+            {"workload": "multi-turn: 48 conversations", "server": SHIPPED_CLIENT,
+             "tok_s_vs_stock": 1.27},
             {"workload": "busy chats: 48 conversations", "server": SHIPPED_CLIENT,
              "tok_s_vs_stock": 1.9}]},
         "recall": {"error": "Traceback ..."},
@@ -34,7 +36,8 @@ def test_each_target_judges_the_rows_it_names_by_the_issues_limit():
         ("client", "pool free", SHIPPED_CLIENT[:12], "tpot_vs_stock"): (1.04, False),
         ("client", "pool bind", SHIPPED_CLIENT[:12], "tok_s_vs_stock"): (1.61, True),
         ("client", "pool bind", SHIPPED_CLIENT[:12], "ttft_vs_stock"): (0.23, True),
-        ("busy chats", "busy chat", SHIPPED_CLIENT[:12], "tok_s_vs_stock"): (1.9, False),
+        ("multi-turn", "multi-tur", SHIPPED_CLIENT[:12], "tok_s_vs_stock"): (1.27, False),
+        ("multi-turn", "busy chat", SHIPPED_CLIENT[:12], "tok_s_vs_stock"): (1.9, False),
     }
     # stock's row, a step that raised and the targets of rows not run give no verdict
     assert all(v["row"] != "stock" and v["step"] != "recall" for v in verdicts(steps))
