@@ -185,8 +185,10 @@ def main() -> None:
     with forking_servers(logs / "zygote.log") if args.dry else nullcontext():
         for step in steps:
             began = time.perf_counter()
+            step_logs = logs / step.replace(" ", "-")  # each step's server and client logs
+            step_logs.mkdir(exist_ok=True)
             try:
-                done[step] = {"rows": run_step(step, models, config, logs, args.dry,
+                done[step] = {"rows": run_step(step, models, config, step_logs, args.dry,
                                                args.client_timeout, args.rows)}
             except Exception:  # recorded: the other steps still run
                 done[step] = {"error": traceback.format_exc()[-3000:]}

@@ -36,6 +36,10 @@ def test_every_gpu_target_step_runs_dry_on_the_cpu_platform(tmp_path, server_fac
         assert stock["server"] == "stock" and SHIPPED in shipped["server"]
         assert shipped["images_compressed"] > 0 and shipped["tok_s_vs_stock"] > 0
     assert "busy chats" in steps["multi-turn"]["rows"][1]["workload"]
+    # each step keeps its own server and client logs (the two client steps number theirs alike)
+    logs = out.with_suffix("")
+    assert all((logs / step / "serving-client-1.jsonl").exists()
+               for step in ("client", "multi-turn"))
     assert steps["multi-turn"]["rows"][1]["spans_recalled"] > 0  # later turns recall images
     recall = {row["server"]: row for row in steps["recall"]["rows"]}
     shipped = next(row for name, row in recall.items() if name.endswith(f"({SHIPPED})"))
