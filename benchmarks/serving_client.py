@@ -16,7 +16,8 @@ conversation turn by turn and sends the server's own answers back as the history
 and other conversations about the same image reuse its span. At 8 at a time the client, not
 the pool, caps the plugin's batch (stock's pool runs about 6 of them); ``--workloads "busy chats"``
 sends the same chats 16 at a time, where stock's pool evicts images that other chats still ask
-about and prefills them again.
+about and prefills them again, and the plugin's pool binds too (a recalled question's prefill
+needs its image's whole span in the pool beside the running chats).
 ``--profile`` samples each scheduler with py-spy during the client's run and adds its phase shares
 (``scheduler_phases.py``) to the row (the sampling slows the server: time it without).
 ``--server-args`` adds flags to every server, stock included: ``--dtype float32`` computes in
