@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from sglang_unicache.engine import flags, positions, request, startup
 from sglang_unicache.engine.capture import QueryCapture
 from sglang_unicache.engine.controller import Controller
@@ -137,9 +139,20 @@ def around_run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kw
         return result
     finally:
         if timed:
+            _forward_done()
             controller.stats.prefill_seconds += time.perf_counter() - start
             controller.stats.prefill_tokens += sum(batch.extend_lens)
         STATE.capture = None
+
+
+def _forward_done() -> None:
+    """Wait for the forward a timed prefill queued: on CUDA the overlap scheduler's ``run_batch``
+    returns once the forward is launched, so its clock would read the launch, and the compression
+    after it (whose copies to the host wait for the device) would carry the rest of the prefill.
+    The step after a compressing prefill waits for its result anyway (``overlap.py``); a middle
+    chunk of a long compressing prompt loses its overlap. Nothing to wait for on a CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 @hook(f"{_SCHEDULER}.get_next_batch_to_run", "AROUND")
