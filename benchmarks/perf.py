@@ -359,8 +359,8 @@ def main() -> None:
                         help="streaming: methods run with the self-check off, besides stock and "
                              "the shipped defaults (comma-separated, or all)")
     parser.add_argument("--rows", default="",
-                        help="capacity parts: run stock and only the rows whose name holds "
-                             "one of these comma-separated strings")
+                        help="capacity and recall parts: run stock and only the rows whose "
+                             "name holds one of these comma-separated strings")
     parser.add_argument("--server-args", default="",
                         help="workload, overhead-large and recall parts: flags added to every "
                              "server, stock included (e.g. --dtype float32 where the CPU has no "
@@ -431,7 +431,7 @@ def main() -> None:
     if "recall" in parts:
         large = Path(args.workload_model) if args.workload_model else build_tiny_qwen2_vl(
             work / "tiny-qwen2-vl-workload-448", **WORKLOAD_MODEL)
-        results["recall"] = recall_costs(large, config, log_dir, extra=extra)
+        results["recall"] = recall_costs(large, config, log_dir, extra=extra, only=args.rows)
     if "decode" in parts:
         decode_model = Path(args.decode_model) if args.decode_model else build_tiny_qwen2_vl(
             work / "tiny-qwen2-vl-decode", **DECODE_MODEL)

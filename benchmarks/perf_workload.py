@@ -33,6 +33,12 @@ from tests.support.images import data_url, image_chat, solid_png
 from tests.support.server import start_server
 
 IMAGE_TOKENS = 256  # a 448 px image on the tiny model
+# Stock with SGLang's image preprocessing cache, which ``--unicache`` turns on
+# (``engine/startup.py``, ``MM_PREPROCESS_CACHE_MB``) and stock leaves off for Qwen2-VL: where
+# images repeat, its row splits what the cache gives (the image processor skipped) from what the
+# compressed KV gives.
+STOCK_CACHED = {"stock + SGLang's image preprocessing cache (what `--unicache` turns on)":
+                ["--enable-cache-report", "--mm-preprocess-cache-size-mb", "256"]}
 QUESTIONS = ["what colour is it?", "describe the picture", "how many shapes are there?"]
 
 

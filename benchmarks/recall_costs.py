@@ -5,6 +5,8 @@ serves the same sequence: for each image, a first question (warms the cache), a 
 about another image, then the measured later question (streamed, 16 output tokens). Rows:
 
 - stock, image resident: the later question's prefix is on the device;
+- the same with SGLang's image preprocessing cache, which ``--unicache`` turns on: the repeated
+  image skips the image processor, as the plugin's rows do;
 - stock + HiCache, image loaded back: a pool that holds one image, so the filler moves the first
   image to HiCache's host tier and the later question loads its full span back;
 - the plugin with host copies (self-check off, and the defaults as shipped): the later question
@@ -24,7 +26,7 @@ import json
 import statistics
 from pathlib import Path
 
-from benchmarks.perf_workload import picture, visual_tokens
+from benchmarks.perf_workload import STOCK_CACHED, picture, visual_tokens
 from tests.support.client import chat, flush_cache, internal_state, stream_chat
 from tests.support.images import image_chat
 from tests.support.server import start_server
@@ -49,6 +51,7 @@ def recall_servers(config_nocheck: Path, config_nocopies: Path, image_px: int,
     plugin = ["--unicache", "--unicache-keep-ratio", str(ratio), "--enable-cache-report"]
     return {
         "stock, image resident": ["--enable-cache-report"],
+        **STOCK_CACHED,
         "stock + HiCache, image loaded back": [
             "--enable-cache-report", "--enable-hierarchical-cache", "--hicache-ratio", "4",
             "--max-total-tokens", one_image],

@@ -27,7 +27,9 @@ than fp32 there, and the servers are then bound by that emulation, not by their 
 summary: each plugin server's median ratio to the same round's stock and the range over the rounds
 (one run's pool-free ratios move by up to 0.4 on a shared 2-core machine, more than the targets'
 margins). ``--rows`` runs stock and only the plugin servers named (a large model's run is
-long); ``--client-timeout`` bounds each client run.
+long); ``--client-timeout`` bounds each client run. ``--stock-cache`` adds stock with SGLang's image
+preprocessing cache, which ``--unicache`` turns on: where images repeat, the split between
+what that cache gives and what the compressed KV gives.
 
     python -m benchmarks.serving_client --out runs/serving-client.json
     python -m benchmarks.serving_client --server-args="--dtype float32" --out runs/sc-fp32.json
@@ -59,7 +61,13 @@ from benchmarks.perf import (
     print_table,
     shipped_variants,
 )
-from benchmarks.perf_workload import QUESTIONS, picture, popular_images, workload_pool
+from benchmarks.perf_workload import (
+    QUESTIONS,
+    STOCK_CACHED,
+    picture,
+    popular_images,
+    workload_pool,
+)
 from tests.support.client import flush_cache, internal_state
 from tests.support.images import image_chat
 from tests.support.server import cpu_env, start_server
@@ -245,6 +253,10 @@ def main() -> None:
     parser.add_argument("--shipped-set", default="",
                         help="one more server, the defaults as shipped with these config keys "
                              "(JSON, e.g. '{\"view_max_keep\": 0.15}')")
+    parser.add_argument("--stock-cache", action="store_true",
+                        help="one more server: stock with SGLang's image preprocessing cache, "
+                             "which --unicache turns on (where images repeat: the multi-turn "
+                             "workloads)")
     parser.add_argument("--rows", default="",
                         help="run stock and only the plugin servers whose name holds one of "
                              "these comma-separated strings (e.g. shipped)")
@@ -262,7 +274,8 @@ def main() -> None:
     log_dir = Path("runs/perf-logs")
     log_dir.mkdir(parents=True, exist_ok=True)
     rows = measure(model, config, log_dir, args.workloads.split(","), args.profile, extra,
-                   args.rounds, shipped_variants(args.shipped_set, work), args.rows,
+                   args.rounds, {**shipped_variants(args.shipped_set, work),
+                                 **(STOCK_CACHED if args.stock_cache else {})}, args.rows,
                    args.client_timeout)
     result = {"rows": rows, "server_args": list(extra), "rounds": args.rounds,
               "seconds": round(time.perf_counter() - start)}

@@ -32,9 +32,13 @@ def test_every_gpu_target_step_runs_dry_on_the_cpu_platform(tmp_path, server_fac
     assert SHIPPED in overhead["method"] and overhead["images_compressed"] == 1
     assert 0 < overhead["compress_ms"] and 0 < overhead["overhead_share"]
     for step in ("client", "multi-turn"):
-        stock, shipped = steps[step]["rows"]
+        stock, shipped, *cached = steps[step]["rows"]
         assert stock["server"] == "stock" and SHIPPED in shipped["server"]
         assert shipped["images_compressed"] > 0 and shipped["tok_s_vs_stock"] > 0
+    # where images repeat, stock with the preprocessing cache --unicache turns on has its row
+    (cached,) = cached
+    assert "preprocessing cache" in cached["server"] and cached["images_compressed"] == 0
+    assert cached["tok_s_vs_stock"] > 0
     assert "busy chats" in steps["multi-turn"]["rows"][1]["workload"]
     # each step keeps its own server and client logs (the two client steps number theirs alike)
     logs = out.with_suffix("")
@@ -42,6 +46,8 @@ def test_every_gpu_target_step_runs_dry_on_the_cpu_platform(tmp_path, server_fac
                for step in ("client", "multi-turn"))
     assert steps["multi-turn"]["rows"][1]["spans_recalled"] > 0  # later turns recall images
     recall = {row["server"]: row for row in steps["recall"]["rows"]}
+    assert any("preprocessing cache" in name and row["recalls"] == 0
+               for name, row in recall.items())
     shipped = next(row for name, row in recall.items() if name.endswith(f"({SHIPPED})"))
     assert shipped["recalls"] == 1 and shipped["bytes_per_reuse"] > 0
     # one verdict per target the dry run's rows name, each its value against its limit

@@ -3,7 +3,9 @@ row's value with the issue's limit; its dry run's client workloads keep their na
 words (which select them) and replace only the sizes."""
 
 from benchmarks.gpu_targets import DRY_CLIENT, TARGETS, dry_table, verdicts
+from benchmarks.perf_workload import STOCK_CACHED
 from benchmarks.serving_client import WORKLOADS, selected
+from sglang_unicache.engine.startup import MM_PREPROCESS_CACHE_MB
 
 SHIPPED_CLIENT = "`--unicache` (defaults as shipped)"
 
@@ -56,3 +58,9 @@ def test_the_dry_client_workloads_are_selected_by_the_same_names_and_only_shrunk
             flag = full["client"][i - 1] if i else ""
             assert b == (DRY_CLIENT[flag] if flag in DRY_CLIENT else a)
     assert "--num-prompts 4" in name and "--max-concurrency 2" in name
+
+
+def test_stock_with_the_preprocessing_cache_gets_the_size_unicache_turns_on():
+    (flags,) = STOCK_CACHED.values()
+    assert "--unicache" not in flags
+    assert flags[flags.index("--mm-preprocess-cache-size-mb") + 1] == str(MM_PREPROCESS_CACHE_MB)
