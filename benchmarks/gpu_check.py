@@ -80,6 +80,17 @@ print(json.dumps(out))
 KERNEL_TOLERANCE = {"window_colsum_fp32": 1e-4, "window_colsum_bf16": 3e-2}
 
 
+def workspace(out: str) -> tuple[Path, Path, Path]:
+    """(a new scratch folder, the logs folder beside ``out``, a policy config with the self-check
+    off in the scratch folder): what a GPU script's steps share."""
+    work = Path(tempfile.mkdtemp())
+    logs = Path(out).with_suffix("")
+    logs.mkdir(parents=True, exist_ok=True)
+    config = work / "nocheck.json"
+    config.write_text(json.dumps({"selfcheck": False}))
+    return work, logs, config
+
+
 def backends(dry: bool) -> list[str]:
     return list(DRY_BACKENDS if dry else GPU_BACKENDS)
 
@@ -199,11 +210,7 @@ def main() -> None:
     from tests.support.tiny_vlm import build_tiny_qwen2_vl
 
     start = time.perf_counter()
-    work = Path(tempfile.mkdtemp())
-    logs = Path(args.out).with_suffix("")
-    logs.mkdir(parents=True, exist_ok=True)
-    config = work / "nocheck.json"
-    config.write_text(json.dumps({"selfcheck": False}))
+    work, logs, config = workspace(args.out)
     model = build_tiny_qwen2_vl(work / "model")  # 224 px: 64 visual tokens an image
     names = args.backends.split(",") if args.backends else backends(args.dry)
     # The longest steps first (decode and identity start two servers each), so side by side they

@@ -45,7 +45,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 import traceback
 from contextlib import nullcontext
@@ -190,15 +189,12 @@ def main() -> None:
     if not args.dry:
         os.environ["SGLANG_PLATFORM"] = ""  # SGLang picks CUDA
         os.environ.setdefault("UNICACHE_SERVER_START_TIMEOUT", "900")
+    from benchmarks.gpu_check import workspace
     from benchmarks.perf import print_table
     from tests.support.server import forking_servers
 
     start = time.perf_counter()
-    work = Path(tempfile.mkdtemp())
-    logs = Path(args.out).with_suffix("")
-    logs.mkdir(parents=True, exist_ok=True)
-    config = work / "policy.json"
-    config.write_text(json.dumps({"selfcheck": False}))
+    work, logs, config = workspace(args.out)
     models = Models(work, args.dry)
     done: dict[str, dict] = {}
     # The dry run forks its servers from one process that imported SGLang (the tests' harness).
