@@ -111,29 +111,26 @@ class Models:
         from benchmarks.perf import LM_2B_MODEL, WORKLOAD_MODEL
         from tests.support.tiny_vlm import build_tiny_qwen2_vl
 
-        if self.dry:
-            name, shape = "tiny", {}
-        else:
-            shape = {**{"workload": WORKLOAD_MODEL, "2b": LM_2B_MODEL}[name],
-                     "image_size": image_px}
-        key = name if self.dry else f"{name}-{image_px}"
+        key = "tiny" if self.dry else f"{name}-{image_px}"
         if key not in self.built:
+            shape = {} if self.dry else {**{"workload": WORKLOAD_MODEL, "2b": LM_2B_MODEL}[name],
+                                         "image_size": image_px}
             self.built[key] = build_tiny_qwen2_vl(self.work / key, **shape)
         return self.built[key]
 
 
 def run_step(step: str, models: Models, config: Path, logs: Path, dry: bool,
              client_timeout: float, rows: str = "") -> list[dict]:
-    """One step's rows. ``rows`` (``--rows``): stock and only the plugin servers whose name
-    holds one of these comma-separated strings (the defaults as shipped always run); the dry run
-    takes "shipped"."""
+    """One step's rows. ``rows`` (``--rows``): stock, the defaults as shipped and only the
+    plugin servers whose name holds one of these comma-separated strings; the dry run takes
+    "shipped"."""
     from benchmarks.perf import overhead
     from benchmarks.perf_workload import STOCK_CACHED
     from benchmarks.recall_costs import recall_costs
     from benchmarks.serving_client import WORKLOADS, measure
 
     table = dry_table(WORKLOADS) if dry else WORKLOADS
-    rows = "shipped" if dry else rows
+    rows = "shipped" if dry else f"{rows},shipped" if rows else ""
     if step == "overhead":
         methods = [m for m in ("knorm",) if not rows or any(r in m for r in rows.split(","))]
         out = []

@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.perf_workload import concurrency, decode, streaming, workload
+from benchmarks.perf_workload import concurrency, decode, only_rows, streaming, workload
 from benchmarks.recall_costs import recall_costs
 from sglang_unicache.policy.quantize import bits_of, host_row_bytes
 from sglang_unicache.policy.registry import known_methods
@@ -224,15 +224,6 @@ def hicache_servers(model: Path, config: Path, ratio: float) -> list[tuple[str, 
             (f"unicache keep {ratio} + HiCache", flags_for("knorm", ratio, config) + HICACHE),
             *quantized,
             (f"{name} + HiCache", shipped + HICACHE)]
-
-
-def only_rows(servers: list, rows: str) -> list:
-    """``--rows``: stock (the ratios' base, first) and the servers whose name holds one of the
-    comma-separated ``rows``; every server when ``rows`` is empty."""
-    if not rows:
-        return servers
-    return servers[:1] + [row for row in servers[1:]
-                          if any(part in row[0] for part in rows.split(","))]
 
 
 def capacity(model: Path, config: Path, ratio: float, stream: int, log_dir: Path,

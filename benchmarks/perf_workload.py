@@ -42,6 +42,15 @@ STOCK_CACHED = {"stock + SGLang's image preprocessing cache (what `--unicache` t
 QUESTIONS = ["what colour is it?", "describe the picture", "how many shapes are there?"]
 
 
+def only_rows(servers: list, rows: str) -> list:
+    """``--rows``: stock (the ratios' base, first) and the servers whose name holds one of the
+    comma-separated ``rows``; every server when ``rows`` is empty."""
+    if not rows:
+        return servers
+    return servers[:1] + [row for row in servers[1:]
+                          if any(part in row[0] for part in rows.split(","))]
+
+
 def visual_tokens(image_px: int) -> int:
     """Visual tokens of an ``image_px`` square image on the tiny models (28 px a token)."""
     return (image_px // 28) ** 2

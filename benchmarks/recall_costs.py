@@ -26,7 +26,7 @@ import json
 import statistics
 from pathlib import Path
 
-from benchmarks.perf_workload import STOCK_CACHED, picture, visual_tokens
+from benchmarks.perf_workload import STOCK_CACHED, only_rows, picture, visual_tokens
 from tests.support.client import chat, flush_cache, internal_state, stream_chat
 from tests.support.images import image_chat
 from tests.support.server import start_server
@@ -97,9 +97,7 @@ def recall_costs(model: Path, config: Path, log_dir: Path, *, images: int = 6,
     """The rows of the module docstring, then each row's ratio to stock with the image
     resident. ``extra``: flags added to every server (the bytes columns assume bf16 KV);
     ``only``: stock resident and the servers whose name holds one of these comma-separated
-    strings (``perf.only_rows``)."""
-    from benchmarks.perf import only_rows  # perf imports this module
-
+    strings (``perf_workload.only_rows``)."""
     nocheck = config.with_name("policy-recall.json")
     nocheck.write_text(json.dumps({"selfcheck": False}))
     nocopies = config.with_name("policy-no-copies.json")

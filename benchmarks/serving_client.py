@@ -57,13 +57,13 @@ from benchmarks.perf import (
     SHIPPED,
     WORKLOAD_MODEL,
     flags_for,
-    only_rows,
     print_table,
     shipped_variants,
 )
 from benchmarks.perf_workload import (
     QUESTIONS,
     STOCK_CACHED,
+    only_rows,
     picture,
     popular_images,
     workload_pool,
